@@ -1,0 +1,323 @@
+#!/usr/bin/env bash
+# Observability check: the repository's Prometheus config, alert rules, Grafana dashboards and
+# prometheus-adapter rules, validated statically and then against a real Prometheus scraping a
+# real gateway under traffic.
+#
+#   bash .ci/check-observability.sh            # BIN_DIR=target/debug by default
+#   BIN_DIR=target/release bash .ci/check-observability.sh
+#
+# Steps (one PASS/FAIL line each, summary at the end, exit 1 if anything failed):
+#   1. install what a fresh machine lacks: prometheus (promtool), wrk, PyYAML, npm ci in
+#      grafana/schema-check;
+#   2. promtool check config / check rules / test rules; the @grafana/schema type check of every
+#      dashboard; prometheus/check_queries.py static (panel hygiene, PromQL syntax of every
+#      dashboard query, compose mounts);
+#   3. a fresh database (tributary_obs_check on the local Postgres), `tributary migrate` and
+#      `tributary seed`, three downstream simulators (healthy, slow, flaky), the gateway with a tiny
+#      admission limit, a tiny pool, rate limiting with an unreachable Redis and a low long-poll
+#      threshold, so that shedding, degradation, timeouts, retries, an open circuit, 429s, Redis
+#      fallbacks and long polls all happen; Prometheus with a copy of prometheus/prometheus.yml
+#      scraping the gateway every second;
+#   4. bounded traffic (wrk plus curl loops: dashboards, order POSTs with Idempotency-Key, order
+#      GETs, bad requests, 404s);
+#   5. through Prometheus' HTTP API: the target is up, and every dashboard query, every recording
+#      and alerting rule and every prometheus-adapter rule parses and returns data
+#      (prometheus/check_queries.py live); every metric those queries name is in the live scrape;
+#   6. `promtool check metrics` on a live scrape of /metrics.
+#
+# Everything it starts is killed on exit (trap); the whole run is bounded by OBS_CHECK_TIMEOUT
+# seconds (default 600). Logs are kept in $OBS_WORK (printed at the end) when a check fails.
+set -euo pipefail
+
+# The whole run is time-bounded: re-run this script under timeout(1), which sends TERM (then KILL
+# 15 s later) when OBS_CHECK_TIMEOUT runs out; the TERM trap below stops everything started.
+OBS_CHECK_TIMEOUT=${OBS_CHECK_TIMEOUT:-600}
+if [[ -z ${OBS_CHECK_BOUNDED:-} ]]; then
+  OBS_CHECK_BOUNDED=1 exec timeout -k 15 "$OBS_CHECK_TIMEOUT" bash "$0" "$@"
+fi
+
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+BIN_DIR=${BIN_DIR:-target/debug}
+case $BIN_DIR in /*) ;; *) BIN_DIR=$ROOT/$BIN_DIR ;; esac
+TRAFFIC_SECONDS=${TRAFFIC_SECONDS:-25}
+PGHOST=${PGHOST:-127.0.0.1}
+PGPORT=${PGPORT:-5432}
+PGUSER=${PGUSER:-postgres}
+export PGHOST PGPORT PGUSER
+DB_NAME=tributary_obs_check
+DATABASE_URL="postgres://$PGUSER@$PGHOST:$PGPORT/$DB_NAME"
+OBS_WORK=$(mktemp -d /tmp/tributary-obs-check.XXXXXX)
+
+PIDS=()
+PASSED=0
+FAILED=0
+FAILURES=()
+
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  # Newest first, so that the traffic stops before the gateway does.
+  local i
+  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
+    kill -TERM "${PIDS[i]}" 2>/dev/null || :
+  done
+  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
+    # Bounded: a process that ignores TERM for 5 s is killed.
+    for _ in $(seq 50); do kill -0 "${PIDS[i]}" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "${PIDS[i]}" 2>/dev/null || :
+  done
+  if [[ $rc -eq 0 ]]; then
+    rm -rf "$OBS_WORK"
+  else
+    echo "logs kept in $OBS_WORK"
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'echo "FAIL  interrupted or timed out (OBS_CHECK_TIMEOUT=${OBS_CHECK_TIMEOUT}s)"; exit 124' INT TERM
+
+log() { printf '==> %s\n' "$*"; }
+pass() { PASSED=$((PASSED + 1)); printf 'PASS  %s\n' "$1"; }
+fail() { FAILED=$((FAILED + 1)); FAILURES+=("$1"); printf 'FAIL  %s\n' "$1"; }
+die() { fail "$1"; summary; exit 1; }
+summary() {
+  echo
+  echo "check-observability summary: $PASSED passed, $FAILED failed"
+  local f
+  for f in "${FAILURES[@]+"${FAILURES[@]}"}"; do echo "  failed: $f"; done
+}
+
+# check NAME CMD...: run CMD bounded by 300 s, output indented, PASS/FAIL by its exit status.
+check() {
+  local name=$1
+  shift
+  local out=$OBS_WORK/check-$((PASSED + FAILED)).log
+  if timeout 300 "$@" >"$out" 2>&1; then
+    sed 's/^/      /' "$out"
+    pass "$name"
+  else
+    local rc=$?
+    sed 's/^/      /' "$out"
+    fail "$name (exit $rc)"
+  fi
+}
+
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# wait_http URL SECONDS: poll until URL answers 2xx.
+wait_http() {
+  local url=$1 deadline=$((SECONDS + $2))
+  until curl -fsS -o /dev/null --max-time 2 "$url" 2>/dev/null; do
+    ((SECONDS < deadline)) || return 1
+    sleep 0.2
+  done
+}
+
+# ---------------------------------------------------------------------------
+log "1. tools"
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v wrk >/dev/null; then
+  export DEBIAN_FRONTEND=noninteractive
+  timeout 300 apt-get update -qq
+  timeout 300 apt-get install -y -qq --no-install-recommends prometheus wrk >"$OBS_WORK/apt.log" 2>&1 ||
+    { cat "$OBS_WORK/apt.log"; die "apt-get install prometheus wrk"; }
+fi
+python3 -c 'import yaml' 2>/dev/null || timeout 300 pip install -q pyyaml || die "pip install pyyaml"
+(cd grafana/schema-check && timeout 300 npm ci --no-audit --no-fund --loglevel=error >"$OBS_WORK/npm.log" 2>&1) ||
+  { cat "$OBS_WORK/npm.log"; die "npm ci in grafana/schema-check"; }
+echo "    $(prometheus --version 2>&1 | head -n 1); $(wrk --version 2>&1 | head -n 1 | cut -c1-40)"
+
+# ---------------------------------------------------------------------------
+log "2. static checks"
+check "promtool check config prometheus/prometheus.yml" promtool check config prometheus/prometheus.yml
+check "promtool check rules prometheus/alerts.yml" promtool check rules prometheus/alerts.yml
+check "promtool test rules prometheus/alerts_test.yml (a firing and a silent case per alert)" \
+  promtool test rules prometheus/alerts_test.yml
+check "grafana dashboards satisfy @grafana/schema (tsc --strict)" node grafana/schema-check/check-dashboards.mjs
+check "dashboards: panel hygiene, PromQL syntax, compose mounts (check_queries.py static)" \
+  python3 prometheus/check_queries.py static
+
+# ---------------------------------------------------------------------------
+log "3. gateway, simulators and Prometheus"
+if [[ ! -x $BIN_DIR/tributary || ! -x $BIN_DIR/downstream-sim ]]; then
+  if [[ $BIN_DIR == "$ROOT/target/debug" ]]; then
+    log "building the binaries (cargo build --bins)"
+    timeout 1200 cargo build --bins --quiet || die "cargo build --bins"
+  else
+    die "no tributary / downstream-sim binaries in $BIN_DIR"
+  fi
+fi
+
+pg_isready -q -t 10 || die "Postgres at $PGHOST:$PGPORT is not accepting connections"
+psql -q -v ON_ERROR_STOP=1 -d postgres \
+  -c "DROP DATABASE IF EXISTS $DB_NAME WITH (FORCE)" \
+  -c "CREATE DATABASE $DB_NAME" || die "create database $DB_NAME"
+export DATABASE_URL
+check "tributary migrate" "$BIN_DIR/tributary" migrate
+check "tributary seed --users 200 --orders-per-user 5" "$BIN_DIR/tributary" seed --users 200 --orders-per-user 5
+
+SIM_OK=$(free_port)
+SIM_SLOW=$(free_port)
+SIM_FLAKY=$(free_port)
+GATEWAY=$(free_port)
+PROM=$(free_port)
+REDIS_CLOSED=$(free_port) # nothing listens here: every Redis call fails and falls back
+
+# Healthy: users, carts, notifications.
+"$BIN_DIR/downstream-sim" --listen "127.0.0.1:$SIM_OK" --latency 5ms --latency-jitter 3ms \
+  >"$OBS_WORK/sim-ok.log" 2>&1 &
+PIDS+=("$!")
+# Slower than the promotions timeout (150ms): timeouts and degraded responses.
+"$BIN_DIR/downstream-sim" --listen "127.0.0.1:$SIM_SLOW" --latency 400ms \
+  >"$OBS_WORK/sim-slow.log" 2>&1 &
+PIDS+=("$!")
+# Fails 60% of calls: errors, retries, and an opened circuit for recommendations.
+"$BIN_DIR/downstream-sim" --listen "127.0.0.1:$SIM_FLAKY" --latency 5ms --error-rate 0.6 \
+  >"$OBS_WORK/sim-flaky.log" 2>&1 &
+PIDS+=("$!")
+for port in "$SIM_OK" "$SIM_SLOW" "$SIM_FLAKY"; do
+  wait_http "http://127.0.0.1:$port/healthz" 30 || die "downstream-sim on :$port did not become healthy"
+done
+pass "three downstream simulators answer /healthz"
+
+(
+  export TRIBUTARY_SERVER__LISTEN=127.0.0.1:$GATEWAY
+  export TRIBUTARY_DOWNSTREAMS__USERS__BASE_URL=http://127.0.0.1:$SIM_OK
+  export TRIBUTARY_DOWNSTREAMS__CARTS__BASE_URL=http://127.0.0.1:$SIM_OK
+  export TRIBUTARY_DOWNSTREAMS__NOTIFICATIONS__BASE_URL=http://127.0.0.1:$SIM_OK
+  export TRIBUTARY_DOWNSTREAMS__PROMOTIONS__BASE_URL=http://127.0.0.1:$SIM_SLOW
+  export TRIBUTARY_DOWNSTREAMS__PROMOTIONS__TIMEOUT=150ms
+  export TRIBUTARY_DOWNSTREAMS__RECOMMENDATIONS__BASE_URL=http://127.0.0.1:$SIM_FLAKY
+  # Few permits and almost no queueing: some requests are shed.
+  export TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=4
+  export TRIBUTARY_ADMISSION__MAX_WAIT=1ms
+  # A tiny pool: waiters, acquire waits and some acquire timeouts.
+  export TRIBUTARY_DATABASE__MAX_CONNECTIONS=1
+  export TRIBUTARY_DATABASE__MIN_CONNECTIONS=1
+  export TRIBUTARY_DATABASE__ACQUIRE_TIMEOUT=5ms
+  # Rate limiting shared through a Redis that is not there: 429s and local fallbacks.
+  export TRIBUTARY_RATE_LIMIT__ENABLED=true
+  export TRIBUTARY_RATE_LIMIT__PER_SECOND=20
+  export TRIBUTARY_RATE_LIMIT__BURST=10
+  export TRIBUTARY_RATE_LIMIT__REDIS_URL=redis://127.0.0.1:$REDIS_CLOSED
+  # The breaker opens quickly on the flaky simulator.
+  export TRIBUTARY_CIRCUIT_BREAKER__MIN_CALLS=5
+  export TRIBUTARY_CIRCUIT_BREAKER__FAILURE_RATIO=0.3
+  # Low enough that a debug build under load records long polls.
+  export TRIBUTARY_TELEMETRY__LONG_POLL_THRESHOLD=500us
+  export TRIBUTARY_TELEMETRY__LOG_FORMAT=json
+  exec "$BIN_DIR/tributary" serve
+) >"$OBS_WORK/gateway.log" 2>&1 &
+GATEWAY_PID=$!
+PIDS+=("$GATEWAY_PID")
+if wait_http "http://127.0.0.1:$GATEWAY/readyz" 60; then
+  pass "gateway on :$GATEWAY is ready (/readyz 200)"
+else
+  tail -n 30 "$OBS_WORK/gateway.log" | sed 's/^/      /'
+  die "gateway did not become ready (log: $OBS_WORK/gateway.log)"
+fi
+
+python3 prometheus/check_queries.py render-config --target "127.0.0.1:$GATEWAY" --self "127.0.0.1:$PROM" \
+  --out "$OBS_WORK/prometheus.yml" | sed 's/^/    /'
+check "promtool check config on the rewritten copy" promtool check config "$OBS_WORK/prometheus.yml"
+prometheus --config.file="$OBS_WORK/prometheus.yml" --storage.tsdb.path="$OBS_WORK/tsdb" \
+  --web.listen-address="127.0.0.1:$PROM" --log.level=warn >"$OBS_WORK/prometheus.log" 2>&1 &
+PIDS+=("$!")
+wait_http "http://127.0.0.1:$PROM/-/ready" 60 || die "Prometheus did not become ready (log: $OBS_WORK/prometheus.log)"
+pass "Prometheus on :$PROM is ready"
+SINCE=$(date +%s)
+
+# ---------------------------------------------------------------------------
+log "4. traffic for ${TRAFFIC_SECONDS}s"
+GW=http://127.0.0.1:$GATEWAY
+cat >"$OBS_WORK/dashboard.lua" <<'EOF'
+-- Dashboards of random seeded users. Most clients stay within their rate limit; "greedy" does not.
+math.randomseed(os.time())
+local keys = { "client-a", "client-b", "client-c", "client-d", "client-e", "client-f" }
+request = function()
+  local key = keys[math.random(#keys)]
+  if math.random(100) <= 20 then key = "greedy" end
+  return wrk.format("GET", "/api/v1/dashboard/" .. math.random(1, 200), { ["x-api-key"] = key })
+end
+EOF
+wrk -t 2 -c 8 -d "${TRAFFIC_SECONDS}s" --timeout 5s -s "$OBS_WORK/dashboard.lua" "$GW" >"$OBS_WORK/wrk.log" 2>&1 &
+WRK_PID=$!
+PIDS+=("$WRK_PID")
+
+# Orders, bad requests and 404s, each loop bounded by the same end time.
+END=$(($(date +%s) + TRAFFIC_SECONDS))
+(
+  n=0
+  while (($(date +%s) < END)); do
+    n=$((n + 1))
+    # Every third POST replays the previous one (same Idempotency-Key and body): the stored
+    # response comes back and no second order is created.
+    if ((n % 3 != 0)); then
+      key="obs-check-$$-$n"
+      body="{\"user_id\": $((n % 200 + 1)), \"items\": [{\"sku\": \"SKU-$n\", \"quantity\": 1, \"unit_price_cents\": 1299}]}"
+    fi
+    curl -s --max-time 3 -X POST "$GW/api/v1/orders" -H 'content-type: application/json' \
+      -H "x-api-key: orders-$((n % 4))" -H "Idempotency-Key: $key" -d "$body" -o /dev/null \
+      -w "POST /api/v1/orders %{http_code}\n" || :
+    curl -s --max-time 3 -H "x-api-key: orders-$((n % 4))" "$GW/api/v1/orders/$((n % 1000 + 1))" -o /dev/null \
+      -w "GET /api/v1/orders/{id} %{http_code}\n" || :
+    sleep 0.05
+  done
+) >"$OBS_WORK/orders.log" 2>&1 &
+ORDERS_PID=$!
+PIDS+=("$ORDERS_PID")
+(
+  while (($(date +%s) < END)); do
+    # 400s: malformed JSON, a missing Idempotency-Key, a non-numeric id.
+    curl -s -o /dev/null --max-time 3 -w "bad: malformed JSON %{http_code}\n" -X POST "$GW/api/v1/orders" \
+      -H 'content-type: application/json' -H 'Idempotency-Key: obs-bad' -H 'x-api-key: bad-client' -d '{"user_id": ' || :
+    curl -s -o /dev/null --max-time 3 -w "bad: no Idempotency-Key %{http_code}\n" -X POST "$GW/api/v1/orders" \
+      -H 'content-type: application/json' -H 'x-api-key: bad-client' -d '{"user_id": 1, "items": []}' || :
+    curl -s -o /dev/null --max-time 3 -w "bad: non-numeric user id %{http_code}\n" -H 'x-api-key: bad-client' \
+      "$GW/api/v1/dashboard/not-a-number" || :
+    # 404s: an unknown route and an unknown order.
+    curl -s -o /dev/null --max-time 3 -w "bad: unknown route %{http_code}\n" -H 'x-api-key: bad-client' "$GW/api/v1/nope" || :
+    curl -s -o /dev/null --max-time 3 -w "bad: unknown order %{http_code}\n" -H 'x-api-key: bad-client' \
+      "$GW/api/v1/orders/987654321" || :
+    sleep 0.2
+  done
+) >"$OBS_WORK/bad.log" 2>&1 &
+BAD_PID=$!
+PIDS+=("$BAD_PID")
+
+# The first successful scrape takes a few seconds (target discovery): poll for it.
+up_deadline=$((SECONDS + 30))
+until [[ $(curl -s --max-time 2 "http://127.0.0.1:$PROM/api/v1/query" --data-urlencode 'query=up{job="tributary"} == 1' |
+  python3 -c 'import json, sys; print(len(json.load(sys.stdin)["data"]["result"]))' 2>/dev/null) == 1 ]]; do
+  ((SECONDS < up_deadline)) || die "Prometheus never saw up{job=\"tributary\"} == 1"
+  sleep 0.5
+done
+pass "Prometheus scrapes the gateway (up == 1)"
+
+if wait "$WRK_PID"; then pass "wrk ran for ${TRAFFIC_SECONDS}s"; else fail "wrk exited non-zero"; fi
+sed 's/^/      /' "$OBS_WORK/wrk.log"
+wait "$ORDERS_PID" "$BAD_PID" || :
+echo "    responses of the curl loops:"
+cat "$OBS_WORK/orders.log" "$OBS_WORK/bad.log" | sort | uniq -c | sed 's/^/      /'
+
+# ---------------------------------------------------------------------------
+log "5. every query against the live Prometheus"
+curl -fsS --max-time 5 "$GW/metrics" >"$OBS_WORK/metrics.txt" || die "GET /metrics"
+check "every dashboard, rule and adapter query returns data; every metric they name is scraped" \
+  python3 prometheus/check_queries.py live --prom "http://127.0.0.1:$PROM" --since "$SINCE" --deadline 45 \
+  --metrics-file "$OBS_WORK/metrics.txt"
+
+# ---------------------------------------------------------------------------
+log "6. promtool check metrics on a live scrape"
+check "promtool check metrics on GET /metrics" promtool check metrics <"$OBS_WORK/metrics.txt"
+
+if kill -0 "$GATEWAY_PID" 2>/dev/null; then
+  pass "gateway still running after the checks"
+else
+  fail "gateway exited during the checks (log: $OBS_WORK/gateway.log)"
+fi
+
+summary
+((FAILED == 0))
