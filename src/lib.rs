@@ -1,1 +1,35 @@
-pub fn x(){}
+//! tributary: a gateway-aggregation (BFF) service — one request in, a concurrent fan-out to
+//! five services and Postgres, one merged answer out — built so that the failure modes Java
+//! teams met on the way from thread pools to virtual threads (pinned carriers, ThreadLocal
+//! copies, mismatched pools, overload avalanches) are handled by construction and visible in
+//! metrics.
+//!
+//! The tree reads as the architecture:
+//! - [`config`]: typed settings, layered and validated once;
+//! - [`context`]: the per-request context in a task-local;
+//! - [`http`]: routes, handlers and the tower stack;
+//! - [`fanout`]: the concurrent dashboard fan-out with deadlines and partial results;
+//! - [`downstream`]: one typed client per service, with bulkhead, breaker and retries;
+//! - [`admission`] and [`ratelimit`]: overload protection (503) and per-client limits (429);
+//! - [`db`]: the Postgres pool, migrations, queries and seed data;
+//! - [`capacity`]: Little's-law sizing;
+//! - [`telemetry`]: logs, traces, metrics and runtime health;
+//! - [`startup`]: building and serving the application;
+//! - [`sim`]: the downstream simulator used by tests, compose and the benchmark lab.
+
+pub mod admission;
+pub mod capacity;
+pub mod config;
+pub mod context;
+pub mod db;
+pub mod downstream;
+pub mod error;
+pub mod fanout;
+pub mod http;
+pub mod ratelimit;
+pub mod sim;
+pub mod startup;
+pub mod telemetry;
+
+pub use config::Settings;
+pub use startup::Application;

@@ -1,1 +1,192 @@
-fn main(){}
+//! The `tributary` command: serve the gateway, or run one of its operational tasks.
+
+use std::{path::PathBuf, process::ExitCode, time::Duration};
+
+use clap::{Parser, Subcommand};
+use tributary::{
+    Application, Settings,
+    capacity::{self, CapacityInput},
+    config::Sources,
+    db::Db,
+    startup::shutdown_signal,
+    telemetry,
+};
+
+#[derive(Parser)]
+#[command(name = "tributary", version, about = "A gateway-aggregation service")]
+struct Cli {
+    /// Configuration file (TOML); defaults to config/default.toml when it exists.
+    #[arg(long, env = "TRIBUTARY_CONFIG", global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway (the default).
+    Serve,
+    /// Apply database migrations and exit.
+    Migrate,
+    /// Insert demo orders for users 1..=N (idempotent).
+    Seed {
+        #[arg(long, default_value_t = 10_000)]
+        users: i64,
+        #[arg(long, default_value_t = 5)]
+        orders_per_user: i32,
+    },
+    /// Recommend an admission limit and pool size from a target rate and latencies.
+    Capacity {
+        #[arg(long)]
+        target_rps: f64,
+        /// Mean request latency in milliseconds at that rate.
+        #[arg(long)]
+        latency_ms: f64,
+        /// Mean query latency in milliseconds.
+        #[arg(long, default_value_t = 2.0)]
+        db_latency_ms: f64,
+        #[arg(long, default_value_t = 1.0)]
+        db_queries_per_request: f64,
+        #[arg(long, default_value_t = 1.5)]
+        headroom: f64,
+        #[arg(long, default_value_t = 1)]
+        replicas: u32,
+        #[arg(long, default_value_t = 100)]
+        pg_max_connections: u32,
+        #[arg(long, default_value_t = 10)]
+        reserve: u32,
+    },
+    /// Load and validate the configuration, print it (secrets masked) and exit.
+    CheckConfig,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let default = PathBuf::from("config/default.toml");
+    let file = cli
+        .config
+        .clone()
+        .or_else(|| default.exists().then_some(default));
+    let settings = match Settings::load(&Sources::from_process(file.as_deref())) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("tributary: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(cli.command.unwrap_or(Command::Serve), settings) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tributary: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
+    match command {
+        Command::CheckConfig => {
+            let mut shown = settings.clone();
+            shown.database.url = tributary::config::Secret::new("***");
+            println!("{}", serde_json::to_string_pretty(&shown)?);
+            Ok(())
+        }
+        Command::Capacity {
+            target_rps,
+            latency_ms,
+            db_latency_ms,
+            db_queries_per_request,
+            headroom,
+            replicas,
+            pg_max_connections,
+            reserve,
+        } => {
+            anyhow::ensure!(
+                target_rps > 0.0 && latency_ms > 0.0,
+                "--target-rps and --latency-ms must be positive"
+            );
+            anyhow::ensure!(headroom >= 1.0, "--headroom must be at least 1.0");
+            let input = CapacityInput {
+                target_rps,
+                request_latency: Duration::from_secs_f64(latency_ms / 1000.0),
+                db_queries_per_request,
+                db_latency: Duration::from_secs_f64(db_latency_ms / 1000.0),
+                headroom,
+                replicas,
+                server_max_connections: pg_max_connections,
+                reserved_connections: reserve,
+            };
+            let r = capacity::recommend(&input);
+            println!(
+                "Little's law, per replica ({replicas} replica(s), {:.0} req/s each):",
+                target_rps / f64::from(replicas.max(1))
+            );
+            println!(
+                "  requests in flight  = {:.0} req/s × {latency_ms} ms = {:.1}",
+                target_rps / f64::from(replicas.max(1)),
+                r.in_flight_per_replica
+            );
+            println!(
+                "  admission limit     = ceil({:.1} × {headroom}) = {}",
+                r.in_flight_per_replica, r.admission_limit
+            );
+            println!(
+                "  busy connections    = {:.0} req/s × {db_queries_per_request} q/req × {db_latency_ms} ms = {:.2}",
+                target_rps / f64::from(replicas.max(1)),
+                r.busy_connections_per_replica
+            );
+            println!(
+                "  pool size           = ceil({:.2} × {headroom}) = {}",
+                r.busy_connections_per_replica, r.pool_size
+            );
+            println!(
+                "  fleet ceiling       = ({pg_max_connections} − {reserve}) / {replicas} = {} per replica",
+                r.pool_ceiling_per_replica
+            );
+            println!(
+                "  fits the fleet budget: {}",
+                if r.fits_fleet_budget {
+                    "yes"
+                } else {
+                    "NO — raise max_connections on the server or add capacity per replica"
+                }
+            );
+            println!("{}", serde_json::to_string(&r)?);
+            Ok(())
+        }
+        Command::Serve | Command::Migrate | Command::Seed { .. } => {
+            let mut runtime = tokio::runtime::Builder::new_multi_thread();
+            runtime.enable_all();
+            if let Some(n) = settings.server.worker_threads {
+                runtime.worker_threads(n.get());
+            }
+            runtime.build()?.block_on(async_main(command, settings))
+        }
+    }
+}
+
+async fn async_main(command: Command, settings: Settings) -> anyhow::Result<()> {
+    let _tracing = telemetry::init_tracing(&settings.telemetry)?;
+    match command {
+        Command::Migrate => {
+            let db = Db::connect_lazy(&settings.database)?;
+            db.migrate().await?;
+            tracing::info!("migrations applied");
+            Ok(())
+        }
+        Command::Seed {
+            users,
+            orders_per_user,
+        } => {
+            let db = Db::connect_lazy(&settings.database)?;
+            db.migrate().await?;
+            let inserted = db.seed(users, orders_per_user).await?;
+            tracing::info!(users, orders_per_user, inserted, "seed complete");
+            Ok(())
+        }
+        _ => {
+            let app = Application::build(settings).await?;
+            app.run_until_stopped(shutdown_signal()).await
+        }
+    }
+}

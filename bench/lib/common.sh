@@ -1,0 +1,133 @@
+# shellcheck shell=bash
+# Shared helpers for bench/scenarios/*.sh: tools, placement, process lifecycle, measurement.
+# Sourced, not executed. Every helper is prefixed `bench_`.
+
+set -euo pipefail
+
+BENCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO_DIR="$(cd "$BENCH_DIR/.." && pwd)"
+BIN_DIR="${BIN_DIR:-$REPO_DIR/target/release}"
+BENCH_QUICK="${BENCH_QUICK:-0}"
+# Placement: the server under test alone on core 0, everything else on core 1 (a 2-core machine).
+SERVER_CPUS="${BENCH_SERVER_CPUS:-0}"
+LOADGEN_CPUS="${BENCH_LOADGEN_CPUS:-1}"
+PG_URL_BASE="${BENCH_PG_URL_BASE:-postgres://postgres@127.0.0.1:5432}"
+GATEWAY_PORT="${BENCH_GATEWAY_PORT:-18080}"
+SIM_PORT="${BENCH_SIM_PORT:-19000}"
+BENCH_SERVER_PORT="${BENCH_SERVER_PORT:-18090}"
+
+BENCH_PIDS=()
+
+bench_log() { printf '[bench %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+
+# Pick one of two values: the full run or the --quick smoke.
+bench_pick() { if [[ "$BENCH_QUICK" == 1 ]]; then echo "$2"; else echo "$1"; fi; }
+
+bench_ensure_tools() {
+  if ! command -v wrk >/dev/null; then
+    bench_log "installing wrk"
+    apt-get install -y wrk >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y wrk >/dev/null; }
+  fi
+  command -v taskset >/dev/null || { bench_log "taskset (util-linux) is required"; exit 1; }
+  if ! python3 -c 'import matplotlib' 2>/dev/null; then
+    bench_log "installing matplotlib"
+    python3 -m pip install --quiet matplotlib
+  fi
+  # High concurrency needs file descriptors: wrk, the gateway and the simulator inherit this.
+  ulimit -n "${BENCH_NOFILE:-1048576}" 2>/dev/null || ulimit -n "$(ulimit -Hn)"
+}
+
+# Results go to bench/results/<scenario>/ unless BENCH_OUT names another root (the smoke run).
+bench_init() {
+  SCENARIO="$1"
+  bench_ensure_tools
+  RESULTS_ROOT="${BENCH_OUT:-$BENCH_DIR/results}"
+  OUT_DIR="$RESULTS_ROOT/$SCENARIO"
+  LOG_DIR="$(mktemp -d "${TMPDIR:-/tmp}/bench-$SCENARIO.XXXXXX")"
+  rm -rf "$OUT_DIR/runs"
+  mkdir -p "$OUT_DIR/runs"
+  python3 "$BENCH_DIR/lib/machine.py" >"$OUT_DIR/machine.json"
+  export BENCH_COMMAND="${BENCH_COMMAND:-bench/run $SCENARIO$([[ "$BENCH_QUICK" == 1 ]] && echo ' --quick')}"
+  trap bench_cleanup EXIT
+  bench_log "scenario $SCENARIO (quick=$BENCH_QUICK), binaries from $BIN_DIR, logs in $LOG_DIR"
+}
+
+bench_cleanup() {
+  local pid
+  for pid in "${BENCH_PIDS[@]}"; do
+    bench_stop "$pid"
+  done
+}
+
+# bench_start NAME CPUS cmd... : start a process in the background (pinned), log to LOG_DIR/NAME.log.
+# Sets BENCH_LAST_PID.
+bench_start() {
+  local name="$1" cpus="$2"
+  shift 2
+  taskset -c "$cpus" "$@" >"$LOG_DIR/$name.log" 2>&1 &
+  BENCH_LAST_PID=$!
+  BENCH_PIDS+=("$BENCH_LAST_PID")
+}
+
+bench_stop() {
+  local pid="$1" i
+  kill -0 "$pid" 2>/dev/null || return 0
+  kill -TERM "$pid" 2>/dev/null || true
+  for i in $(seq 1 100); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  kill -KILL "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+}
+
+# bench_wait_http URL [SECONDS] [PID] : wait until URL answers 200 (and PID is alive).
+bench_wait_http() {
+  local url="$1" seconds="${2:-30}" pid="${3:-}" i
+  for i in $(seq 1 $((seconds * 10))); do
+    if [[ -n "$pid" ]] && ! kill -0 "$pid" 2>/dev/null; then
+      bench_log "process $pid died while waiting for $url"
+      return 1
+    fi
+    if [[ "$(curl -s -o /dev/null -w '%{http_code}' "$url")" == 200 ]]; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  bench_log "timed out waiting for $url"
+  return 1
+}
+
+# The bench_server example binary; built on demand when missing (release or debug after BIN_DIR).
+bench_server_bin() {
+  local bin="$BIN_DIR/examples/bench_server"
+  if [[ ! -x "$bin" ]]; then
+    local profile=()
+    [[ "$(basename "$BIN_DIR")" == release ]] && profile=(--release)
+    bench_log "building bench_server (${profile[*]:-debug})"
+    (cd "$REPO_DIR" && cargo build "${profile[@]}" --example bench_server >&2)
+  fi
+  echo "$bin"
+}
+
+# Start bench_server on core 0 with one tokio worker; sets SERVER_PID.
+bench_start_bench_server() {
+  bench_start bench_server "$SERVER_CPUS" env BENCH_LISTEN="127.0.0.1:$BENCH_SERVER_PORT" \
+    BENCH_WORKER_THREADS=1 "$@" "$(bench_server_bin)"
+  SERVER_PID=$BENCH_LAST_PID
+  bench_wait_http "http://127.0.0.1:$BENCH_SERVER_PORT/light" 60 "$SERVER_PID"
+}
+
+# bench_measure ARGS... : one measured run (see bench/lib/measure.py --help).
+bench_measure() {
+  python3 "$BENCH_DIR/lib/measure.py" --machine "$OUT_DIR/machine.json" --loadgen-cpus "$LOADGEN_CPUS" "$@"
+}
+
+# bench_report TITLE : aggregate OUT_DIR/runs into report.md, plot.png and summary.json.
+bench_report() {
+  python3 "$BENCH_DIR/lib/report.py" scenario "$OUT_DIR" --title "$1" \
+    --about "$BENCH_DIR/scenarios/$SCENARIO.md" --command "$BENCH_COMMAND"
+  if [[ -z "${BENCH_OUT:-}" ]]; then
+    python3 "$BENCH_DIR/lib/report.py" summary "$RESULTS_ROOT" >/dev/null
+  fi
+}

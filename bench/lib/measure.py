@@ -1,0 +1,362 @@
+#!/usr/bin/env python3
+"""Run one measured load test with wrk and write one run JSON (bench/run calls this).
+
+What a run records, and where each number comes from:
+
+* throughput, latency percentiles (p50/p90/p99/p99.9), responses per status and socket errors:
+  wrk's Lua ``done()`` hook (bench/lib/wrk_report.lua);
+* CPU seconds of every process of interest (the server under test, the simulator, Postgres
+  summed over its backends, wrk itself): utime+stime from /proc/PID/stat before and after, and
+  wrk's own rusage; CPU seconds per 1,000 requests of the server;
+* peak RSS of the server: VmHWM from /proc/PID/status (peak since the process started, which
+  bench/run does fresh for each run), plus VmRSS sampled every 0.5 s;
+* busy fraction of each core from /proc/stat, so a saturated core is visible;
+* selected Prometheus metrics scraped before and after the run (deltas), when --metrics-url is
+  given;
+* the scenario's physical limit (Little's law, passed in by the scenario) and
+  efficiency = successful req/s / limit.
+
+An optional probe (``--probe-url``) runs a second, small wrk at the same time against a light
+endpoint: its latency shows whether the server's workers stay responsive under the main load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import promtext
+
+HERE = Path(__file__).resolve().parent
+LUA = HERE / "wrk_report.lua"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """utime+stime of a whole process (all its threads), in seconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # After the ")" the fields start at state (field 3); utime and stime are fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_status_kib(pid: int, key: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def pids_by_comm(comm: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == comm:
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def comm_cpu_seconds(comm: str) -> dict[int, float]:
+    result = {}
+    for pid in pids_by_comm(comm):
+        seconds = proc_cpu_seconds(pid)
+        if seconds is not None:
+            result[pid] = seconds
+    return result
+
+
+def core_times() -> dict[str, tuple[int, int]]:
+    """(busy, total) jiffies per core from /proc/stat."""
+    result = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        if re.match(r"cpu\d+ ", line):
+            name, *values = line.split()
+            numbers = [int(v) for v in values]
+            idle = numbers[3] + numbers[4]  # idle + iowait
+            total = sum(numbers[:8])  # up to steal; guest time is already in user
+            result[name] = (total - idle, total)
+    return result
+
+
+def scrape(url: str | None) -> str | None:
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.read().decode()
+    except OSError:
+        return None
+
+
+def load_average() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def busy_builds() -> list[str]:
+    """Other heavy work that would disturb a measurement (recorded, not enforced)."""
+    out = subprocess.run(
+        ["pgrep", "-af", r"cargo (build|test|clippy|install)|rustc "],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return [line[:120] for line in out.splitlines() if line.strip()]
+
+
+class Wrk:
+    """One wrk process pinned to the load-generator core, its output in a temp file."""
+
+    def __init__(self, url: str, connections: int, duration: float, threads: int, timeout: str,
+                 cpus: str | None, env: dict[str, str]):
+        self.out = tempfile.NamedTemporaryFile(prefix="wrk-", suffix=".out", delete=False)
+        self.command = [
+            "wrk", f"-t{min(threads, connections)}", f"-c{connections}", f"-d{duration:g}s",
+            "--latency", f"--timeout={timeout}", "-s", str(LUA), url,
+        ]
+        if cpus:
+            self.command = ["taskset", "-c", cpus, *self.command]
+        self.process = subprocess.Popen(
+            self.command, stdout=self.out, stderr=subprocess.STDOUT, env={**os.environ, **env}
+        )
+        self.rusage = None
+        self.returncode = None
+
+    def wait(self) -> dict:
+        _, status, rusage = os.wait4(self.process.pid, 0)
+        self.process.returncode = self.returncode = os.waitstatus_to_exitcode(status)
+        self.rusage = rusage
+        self.out.close()
+        text = Path(self.out.name).read_text()
+        os.unlink(self.out.name)
+        match = re.search(r"^WRK_JSON (.*)$", text, re.MULTILINE)
+        if not match:
+            raise SystemExit(f"wrk produced no WRK_JSON line (rc={self.returncode}):\n{text}")
+        return json.loads(match.group(1))
+
+    @property
+    def cpu_seconds(self) -> float:
+        return self.rusage.ru_utime + self.rusage.ru_stime
+
+
+def summarise_wrk(raw: dict) -> dict:
+    duration = raw["duration_us"] / 1e6
+    statuses = {str(k): v for k, v in sorted(raw["status"].items(), key=lambda kv: int(kv[0]))}
+    ok = sum(v for k, v in statuses.items() if 200 <= int(k) < 300)
+    requests = raw["requests"]
+    pct = raw["latency_us"]["percentiles"]
+
+    def ms(value):
+        return None if value is None else round(value / 1000.0, 3)
+
+    socket_errors = {k: raw["errors"][k] for k in ("connect", "read", "write", "timeout")}
+    return {
+        "duration_s": round(duration, 3),
+        "requests": requests,
+        "ok_requests": ok,
+        "rps": round(requests / duration, 1),
+        "ok_rps": round(ok / duration, 1),
+        "latency_ms": {
+            "p50": ms(pct["50"]),
+            "p75": ms(pct["75"]),
+            "p90": ms(pct["90"]),
+            "p99": ms(pct["99"]),
+            "p99.9": ms(pct["99.9"]),
+            "p99.99": ms(pct["99.99"]),
+            "mean": ms(raw["latency_us"]["mean"]),
+            "max": ms(raw["latency_us"]["max"]),
+        },
+        "errors": {
+            "non_2xx_by_status": {k: v for k, v in statuses.items() if not 200 <= int(k) < 300},
+            "socket": socket_errors,
+            "socket_total": sum(socket_errors.values()),
+        },
+        "status_counts": statuses,
+    }
+
+
+def parse_kv(items: list[str]) -> dict[str, str]:
+    result = {}
+    for item in items or []:
+        key, _, value = item.partition("=")
+        result[key] = value
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--scenario", required=True)
+    ap.add_argument("--variant", default="default")
+    ap.add_argument("--x-name", default="concurrency", help="what the scenario varies (plot x axis)")
+    ap.add_argument("--x-value", type=float, help="default: --connections")
+    ap.add_argument("--repetition", type=int, default=1)
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--connections", type=int, required=True)
+    ap.add_argument("--duration", type=float, required=True, help="seconds")
+    ap.add_argument("--warmup", type=float, default=0.0, help="seconds of unrecorded load first")
+    ap.add_argument("--threads", type=int, default=1, help="wrk threads")
+    ap.add_argument("--timeout", default="10s", help="wrk --timeout (slower responses count as timeouts)")
+    ap.add_argument("--loadgen-cpus", default="1", help="taskset list for wrk; '' to leave unpinned")
+    ap.add_argument("--wrk-env", action="append", help="KEY=VALUE for the wrk script")
+    ap.add_argument("--probe-url")
+    ap.add_argument("--probe-connections", type=int, default=4)
+    ap.add_argument("--probe-delay-ms", type=int, default=10, help="pause between a probe connection's requests")
+    ap.add_argument("--server-pid", type=int, required=True, help="the process under test")
+    ap.add_argument("--server-name", default="server")
+    ap.add_argument("--proc", action="append", help="NAME=PID of another process to account")
+    ap.add_argument("--proc-comm", action="append", help="NAME=COMM: sum every process with that comm")
+    ap.add_argument("--metrics-url")
+    ap.add_argument("--limit-rps", type=float, required=True, help="the scenario's physical limit")
+    ap.add_argument("--limit-basis", required=True, help="how the limit was computed")
+    ap.add_argument("--meta", action="append", help="KEY=VALUE recorded under config")
+    ap.add_argument("--machine", type=Path, help="machine JSON written by bench/lib/machine.py")
+    ap.add_argument("--command", default=os.environ.get("BENCH_COMMAND", ""))
+    args = ap.parse_args()
+
+    wrk_env = parse_kv(args.wrk_env)
+    cpus = args.loadgen_cpus or None
+    if args.warmup > 0:
+        Wrk(args.url, args.connections, args.warmup, args.threads, args.timeout, cpus, wrk_env).wait()
+
+    procs = {args.server_name: args.server_pid, **{k: int(v) for k, v in parse_kv(args.proc).items()}}
+    comms = parse_kv(args.proc_comm)
+    load_before = load_average()
+    builds = busy_builds()
+    metrics_before = scrape(args.metrics_url)
+    cpu_before = {name: proc_cpu_seconds(pid) for name, pid in procs.items()}
+    comm_before = {name: comm_cpu_seconds(comm) for name, comm in comms.items()}
+    cores_before = core_times()
+    started = dt.datetime.now(dt.timezone.utc)
+    t0 = time.monotonic()
+
+    main_wrk = Wrk(args.url, args.connections, args.duration, args.threads, args.timeout, cpus, wrk_env)
+    probe = None
+    if args.probe_url:
+        probe = Wrk(args.probe_url, args.probe_connections, args.duration, 1, args.timeout, cpus,
+                    {"WRK_DELAY_MS": str(args.probe_delay_ms)})
+
+    rss_samples: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def sample_rss() -> None:
+        while not stop.is_set():
+            rss = proc_status_kib(args.server_pid, "VmRSS")
+            if rss is not None:
+                rss_samples.append((round(time.monotonic() - t0, 2), rss))
+            stop.wait(0.5)
+
+    sampler = threading.Thread(target=sample_rss, daemon=True)
+    sampler.start()
+    main_raw = main_wrk.wait()
+    probe_raw = probe.wait() if probe else None
+    stop.set()
+    sampler.join()
+    wall = time.monotonic() - t0
+
+    cores_after = core_times()
+    cpu_after = {name: proc_cpu_seconds(pid) for name, pid in procs.items()}
+    comm_after = {name: comm_cpu_seconds(comm) for name, comm in comms.items()}
+    metrics_after = scrape(args.metrics_url)
+    peak_rss_kib = proc_status_kib(args.server_pid, "VmHWM")
+
+    result = summarise_wrk(main_raw)
+    processes = {}
+    for name in procs:
+        if cpu_before[name] is not None and cpu_after[name] is not None:
+            seconds = cpu_after[name] - cpu_before[name]
+            processes[name] = {"pid": procs[name], "cpu_s": round(seconds, 3), "cpu_util": round(seconds / wall, 3)}
+    for name in comms:
+        before, after = comm_before[name], comm_after[name]
+        seconds = sum(after[pid] - before.get(pid, 0.0) for pid in after)
+        processes[name] = {"processes": len(after), "cpu_s": round(seconds, 3), "cpu_util": round(seconds / wall, 3)}
+    wrk_seconds = main_wrk.cpu_seconds + (probe.cpu_seconds if probe else 0.0)
+    processes["wrk"] = {"cpu_s": round(wrk_seconds, 3), "cpu_util": round(wrk_seconds / wall, 3)}
+
+    cores = {}
+    for name, (busy, total) in cores_after.items():
+        busy0, total0 = cores_before.get(name, (0, 0))
+        cores[name] = round((busy - busy0) / max(total - total0, 1), 3)
+
+    server_cpu = processes.get(args.server_name, {}).get("cpu_s")
+    # Per request of the main load; a probe's light requests (if any) add a little CPU on top.
+    requests = result["requests"]
+    limit = args.limit_rps
+    run = {
+        "schema": 1,
+        "scenario": args.scenario,
+        "variant": args.variant,
+        "x": {"name": args.x_name, "value": args.x_value if args.x_value is not None else args.connections},
+        "repetition": args.repetition,
+        "started_at": started.isoformat(timespec="seconds"),
+        "command": args.command,
+        "wrk_command": shlex.join(main_wrk.command),
+        "probe_command": shlex.join(probe.command) if probe else None,
+        "machine": json.loads(args.machine.read_text()) if args.machine else None,
+        "conditions": {"load_average_before": load_before, "concurrent_builds": builds},
+        "config": {
+            "url": args.url,
+            "connections": args.connections,
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "wrk_threads": args.threads,
+            "wrk_timeout": args.timeout,
+            "loadgen_cpus": cpus,
+            **parse_kv(args.meta),
+        },
+        **result,
+        "limit": {"rps": limit, "basis": args.limit_basis},
+        "efficiency": round(result["ok_rps"] / limit, 3) if limit else None,
+        "server": {
+            "name": args.server_name,
+            "cpu_s": server_cpu,
+            # CPU seconds per 1,000 requests is numerically CPU milliseconds per request.
+            "cpu_s_per_1000_requests": round(server_cpu / requests * 1000, 4) if server_cpu and requests else None,
+            "peak_rss_mb": round(peak_rss_kib / 1024, 1) if peak_rss_kib else None,
+            "rss_samples_kib": rss_samples,
+        },
+        "processes": processes,
+        "cores_busy": cores,
+        "wall_s": round(wall, 2),
+    }
+    if probe_raw:
+        run["probe"] = {"url": args.probe_url, "connections": args.probe_connections,
+                        "delay_ms": args.probe_delay_ms, **summarise_wrk(probe_raw)}
+    if metrics_before is not None or metrics_after is not None:
+        run["metrics"] = promtext.run_metrics(metrics_before, metrics_after)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(run, indent=2) + "\n")
+    lat = result["latency_ms"]
+    line = (
+        f"{args.scenario}/{args.variant} {args.x_name}={run['x']['value']:g} rep {args.repetition}: "
+        f"{result['ok_rps']:.0f} ok req/s (limit {limit:.0f}, eff {run['efficiency']}), "
+        f"p50 {lat['p50']} p99 {lat['p99']} p99.9 {lat['p99.9']} ms, "
+        f"non-2xx {sum(result['errors']['non_2xx_by_status'].values())}, socket {result['errors']['socket_total']}, "
+        f"server CPU {run['server']['cpu_s_per_1000_requests']} s/1k req, peak RSS {run['server']['peak_rss_mb']} MB"
+    )
+    if probe_raw:
+        line += f"; probe p99 {run['probe']['latency_ms']['p99']} ms"
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

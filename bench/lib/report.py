@@ -1,0 +1,366 @@
+#!/usr/bin/env python3
+"""Aggregate the run JSONs of one scenario into a markdown report and a plot.
+
+    report.py scenario DIR --title T [--about FILE] [--command CMD]
+        reads DIR/runs/*.json, writes DIR/report.md, DIR/plot.png and DIR/summary.json
+    report.py summary RESULTS_DIR
+        gathers every RESULTS_DIR/*/summary.json into RESULTS_DIR/SUMMARY.md
+
+Runs are grouped by (variant, x); every figure in a table is the median over the group's
+repetitions, with the min-max range where it matters. Nothing here measures anything: it only
+reads what bench/lib/measure.py recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def ensure_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "matplotlib"], check=True)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def dig(data, *path, default=None):
+    for key in path:
+        if not isinstance(data, dict) or key not in data:
+            return default
+        data = data[key]
+    return data
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def fmt(value, digits=1):
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+def fmt_range(values, digits=0):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    mid = fmt(median(values), digits)
+    if len(values) == 1:
+        return mid
+    return f"{mid} ({fmt(min(values), digits)}–{fmt(max(values), digits)})"
+
+
+def pct(value):
+    return "–" if value is None else f"{value * 100:.0f}%"
+
+
+def load_runs(directory: Path) -> list[dict]:
+    runs = [json.loads(p.read_text()) for p in sorted((directory / "runs").glob("*.json"))]
+    if not runs:
+        raise SystemExit(f"no run JSON under {directory / 'runs'}")
+    return runs
+
+
+def group_runs(runs: list[dict]) -> list[tuple[str, float, list[dict]]]:
+    order: list[tuple[str, float]] = []
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for run in runs:
+        key = (run["variant"], run["x"]["value"])
+        if key not in groups:
+            order.append(key)
+            groups[key] = []
+        groups[key].append(run)
+    variants = list(dict.fromkeys(k[0] for k in order))
+    order.sort(key=lambda k: (variants.index(k[0]), k[1]))
+    return [(v, x, groups[(v, x)]) for v, x in order]
+
+
+def limiting_resource(run: dict) -> str:
+    """A reading of the run's CPU accounting: which resource, if any, capped it."""
+    efficiency = run.get("efficiency") or 0
+    server = run["server"]["name"]
+    procs = run.get("processes", {})
+    server_util = dig(procs, server, "cpu_util", default=0) or 0
+    cores = run.get("cores_busy", {})
+    core0, core1 = cores.get("cpu0", 0), cores.get("cpu1", 0)
+    others = ", ".join(
+        f"{name} {info['cpu_util']:.2f}" for name, info in procs.items() if name != server and info.get("cpu_util")
+    )
+    if efficiency >= 0.95:
+        return f"none: at {efficiency:.0%} of the limit"
+    if server_util >= 0.9 or core0 >= 0.95:
+        return f"{server} CPU ({server_util:.2f} core; core 0 {core0:.0%} busy)"
+    if core1 >= 0.9:
+        return f"core 1 ({core1:.0%} busy: {others})"
+    return f"no core saturated (core 0 {core0:.0%}, core 1 {core1:.0%}): waiting, see latency and metrics"
+
+
+def aggregate(variant: str, x: float, runs: list[dict]) -> dict:
+    def med(*path):
+        return median([dig(r, *path) for r in runs])
+
+    first = runs[0]
+    non_2xx: dict[str, int] = {}
+    socket: dict[str, int] = {}
+    for run in runs:
+        for status, count in run["errors"]["non_2xx_by_status"].items():
+            non_2xx[status] = non_2xx.get(status, 0) + count
+        for kind, count in run["errors"]["socket"].items():
+            if count:
+                socket[kind] = socket.get(kind, 0) + count
+    server = first["server"]["name"]
+    process_names = list(dict.fromkeys(name for r in runs for name in r.get("processes", {})))
+    row = {
+        "variant": variant,
+        "x_name": first["x"]["name"],
+        "x": x,
+        "runs": len(runs),
+        "connections": first["config"]["connections"],
+        "duration_s": first["config"]["duration_s"],
+        "ok_rps": med("ok_rps"),
+        "ok_rps_all": [r["ok_rps"] for r in runs],
+        "rps": med("rps"),
+        "limit_rps": first["limit"]["rps"],
+        "limit_basis": first["limit"]["basis"],
+        "efficiency": med("efficiency"),
+        "latency_ms": {k: med("latency_ms", k) for k in ("p50", "p90", "p99", "p99.9", "max")},
+        "p99_all": [dig(r, "latency_ms", "p99") for r in runs],
+        "requests_total": sum(r["requests"] for r in runs),
+        "non_2xx_total": non_2xx,
+        "socket_errors_total": socket,
+        "server_cpu_ms_per_request": med("server", "cpu_s_per_1000_requests"),
+        "peak_rss_mb": med("server", "peak_rss_mb"),
+        "process_cpu_util": {name: med("processes", name, "cpu_util") for name in process_names},
+        "cores_busy": {core: med("cores_busy", core) for core in sorted(first.get("cores_busy", {}))},
+        "limiting_resource": limiting_resource(sorted(runs, key=lambda r: r["ok_rps"])[len(runs) // 2]),
+        "config": first["config"],
+    }
+    if any("probe" in r for r in runs):
+        row["probe_latency_ms"] = {k: median([dig(r, "probe", "latency_ms", k) for r in runs]) for k in ("p50", "p99", "p99.9")}
+        row["probe_ok_rps"] = median([dig(r, "probe", "ok_rps") for r in runs])
+    if any(dig(r, "metrics", "scraped") for r in runs):
+        m = "metrics"
+        row["gateway_metrics"] = {
+            "pool_wait_mean_ms": med(m, "tributary_db_pool_acquire_wait_seconds", "all", "mean_ms"),
+            "pool_wait_p99_ms": med(m, "tributary_db_pool_acquire_wait_seconds", "all", "p99_ms"),
+            "pool_waits": med(m, "tributary_db_pool_acquire_wait_seconds", "all", "count"),
+            "pool_timeouts": median([sum(dig(r, m, "tributary_db_pool_acquire_timeouts_total", default={}).values()) for r in runs]),
+            "db_query_p99_ms": med(m, "tributary_db_query_duration_seconds", "recent_orders", "p99_ms"),
+            "server_2xx_p99_ms": med(m, "http_server_request_duration_seconds", "200", "p99_ms"),
+            "server_503_count": med(m, "http_server_request_duration_seconds", "503", "count"),
+            "server_503_p99_ms": med(m, "http_server_request_duration_seconds", "503", "p99_ms"),
+            "server_503_le_1ms": med(m, "http_server_request_duration_seconds", "503", "fraction_le_1ms"),
+            "admission_rejections": median([sum(dig(r, m, "tributary_admission_rejections_total", default={}).values()) for r in runs]),
+            "gateway_overhead_p99_ms": med(m, "tributary_fanout_gateway_overhead_seconds", "all", "p99_ms"),
+            "long_polls": median([sum(dig(r, m, "tributary_runtime_long_polls_total", default={}).values()) for r in runs]),
+            "scheduling_lag_p99_ms": med(m, "tributary_runtime_scheduling_lag_seconds", "all", "p99_ms"),
+        }
+    return row
+
+
+def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command: str) -> str:
+    first = runs[0]
+    machine = first.get("machine") or {}
+    x_name = rows[0]["x_name"]
+    out = [f"# {title}", ""]
+    if about:
+        out += [about.strip(), ""]
+    dates = sorted(r["started_at"] for r in runs)
+    loads = [r["conditions"]["load_average_before"][0] for r in runs]
+    builds = sum(1 for r in runs if r["conditions"]["concurrent_builds"])
+    out += [
+        f"- **Command:** `{command or first.get('command') or '?'}`",
+        f"- **Machine:** {machine.get('nproc')} cores ({machine.get('cpu_model')}), {machine.get('mem_total_gib')} GiB, "
+        f"kernel {machine.get('kernel')}, {machine.get('os')}; {machine.get('rustc')}; {machine.get('wrk')}; "
+        f"Postgres {machine.get('postgres')}; revision {machine.get('git_revision')}",
+        f"- **Date:** {dates[0]} to {dates[-1]} (UTC); {len(runs)} runs; 1-min load average before a run: "
+        f"median {statistics.median(loads):.2f}, max {max(loads):.2f}; runs that overlapped a cargo build: {builds}",
+        f"- **Placement:** server under test on core 0 (`taskset -c 0`, one tokio worker); wrk on core "
+        f"{first['config'].get('loadgen_cpus')}; other processes as listed in the resources table",
+        f"- Figures are medians over repetitions (range in brackets). Efficiency = successful req/s ÷ limit. "
+        f"Latency is client-side (wrk, closed loop).",
+        "",
+        "## Throughput and latency",
+        "",
+    ]
+    has_probe = any("probe_latency_ms" in r for r in rows)
+    header = ["variant", x_name, "runs × s", "ok req/s", "limit req/s", "efficiency", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "non-2xx", "socket errors"]
+    if has_probe:
+        header += ["probe p50 ms", "probe p99 ms", "probe p99.9 ms"]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        lat = r["latency_ms"]
+        cells = [
+            r["variant"], fmt(r["x"], 0), f"{r['runs']} × {r['duration_s']:g}", fmt_range(r["ok_rps_all"]), fmt(r["limit_rps"], 0),
+            pct(r["efficiency"]), fmt(lat["p50"], 1), fmt(lat["p90"], 1), fmt_range(r["p99_all"], 1), fmt(lat["p99.9"], 1),
+            ", ".join(f"{k}: {v:,}" for k, v in r["non_2xx_total"].items()) or "0",
+            ", ".join(f"{k}: {v:,}" for k, v in r["socket_errors_total"].items()) or "0",
+        ]
+        if has_probe:
+            p = r.get("probe_latency_ms", {})
+            cells += [fmt(p.get("p50"), 2), fmt(p.get("p99"), 2), fmt(p.get("p99.9"), 2)]
+        out.append("| " + " | ".join(cells) + " |")
+    bases = list(dict.fromkeys(r["limit_basis"] for r in rows))
+    out += ["", "Limit: " + "; ".join(bases) + ".", "", "## Resources", ""]
+    procs = list(dict.fromkeys(name for r in rows for name in r["process_cpu_util"]))
+    header = ["variant", x_name, "server CPU ms/req (= s per 1,000 req)", "peak RSS MB", "core 0 busy", "core 1 busy"]
+    header += [f"{p} cores" for p in procs] + ["limiting resource"]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        cells = [r["variant"], fmt(r["x"], 0), fmt(r["server_cpu_ms_per_request"], 3), fmt(r["peak_rss_mb"], 1),
+                 pct(r["cores_busy"].get("cpu0")), pct(r["cores_busy"].get("cpu1"))]
+        cells += [fmt(r["process_cpu_util"].get(p), 2) for p in procs] + [r["limiting_resource"]]
+        out.append("| " + " | ".join(cells) + " |")
+    if any("gateway_metrics" in r for r in rows):
+        out += ["", "## Gateway metrics (deltas of /metrics over the measured window)", ""]
+        keys = [
+            ("pool_wait_mean_ms", "pool acquire wait mean ms", 3), ("pool_wait_p99_ms", "pool acquire wait p99 ms", 2),
+            ("pool_timeouts", "pool acquire timeouts", 0), ("db_query_p99_ms", "recent_orders query p99 ms", 2),
+            ("server_2xx_p99_ms", "server-side 200 p99 ms", 1), ("server_503_count", "503s", 0),
+            ("server_503_p99_ms", "server-side 503 p99 ms", 2), ("server_503_le_1ms", "503s answered ≤ 1 ms", None),
+            ("admission_rejections", "admission rejections", 0), ("gateway_overhead_p99_ms", "fan-out overhead p99 ms", 2),
+            ("long_polls", "long polls", 0), ("scheduling_lag_p99_ms", "scheduling lag p99 ms", 2),
+        ]
+        present = [k for k in keys if any(dig(r, "gateway_metrics", k[0]) is not None for r in rows)]
+        header = ["variant", x_name] + [k[1] for k in present]
+        out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for r in rows:
+            cells = [r["variant"], fmt(r["x"], 0)]
+            for key, _, digits in present:
+                value = dig(r, "gateway_metrics", key)
+                cells.append(pct(value) if digits is None else fmt(value, digits))
+            out.append("| " + " | ".join(cells) + " |")
+        out += ["", "Server-side quantiles are interpolated inside the histogram buckets (1 ms, 2.5 ms, 5 ms, …), "
+                "so they are bucket-accurate, not exact."]
+    out += ["", "![plot](plot.png)", "", "One JSON per run is in `runs/` (wrk command, per-process CPU, core "
+            "busy fractions, RSS samples, metric deltas).", ""]
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path, title: str, runs: list[dict]) -> None:
+    plt = ensure_matplotlib()
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    xs = sorted({r["x"] for r in rows})
+    has_probe = any("probe_latency_ms" in r for r in rows)
+    panels = 3 if has_probe else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
+    machine = runs[0].get("machine") or {}
+    fig.suptitle(f"{title}\n{machine.get('nproc')} cores {machine.get('cpu_model')}, {runs[0]['started_at'][:10]}; "
+                 f"medians of repetitions", fontsize=9)
+    x_name = rows[0]["x_name"]
+    if len(xs) > 1:
+        for variant in variants:
+            vr = [r for r in rows if r["variant"] == variant]
+            x = [r["x"] for r in vr]
+            line, = axes[0].plot(x, [r["ok_rps"] for r in vr], marker="o", label=f"{variant}")
+            axes[0].plot(x, [r["limit_rps"] for r in vr], linestyle=":", color=line.get_color(), alpha=0.6)
+            axes[1].plot(x, [r["latency_ms"]["p99"] for r in vr], marker="o", color=line.get_color(), label=f"{variant} p99")
+            axes[1].plot(x, [r["latency_ms"]["p50"] for r in vr], marker=".", linestyle="--", color=line.get_color(), label=f"{variant} p50")
+            if has_probe:
+                axes[2].plot(x, [dig(r, "probe_latency_ms", "p99") for r in vr], marker="o", color=line.get_color(), label=f"{variant}")
+        for ax in axes:
+            if max(xs) / max(min(xs), 1e-9) >= 10:
+                ax.set_xscale("log")
+            ax.set_xlabel(x_name)
+        axes[0].set_title("successful req/s (dotted: Little's-law limit)", fontsize=9)
+    else:
+        import numpy as np
+
+        idx = np.arange(len(rows))
+        labels = [r["variant"] for r in rows]
+        axes[0].bar(idx, [r["ok_rps"] for r in rows], color="tab:blue", label="measured")
+        axes[0].scatter(idx, [r["limit_rps"] for r in rows], marker="_", s=600, color="black", label="limit", zorder=3)
+        axes[0].set_xticks(idx, labels, rotation=20)
+        axes[0].set_title(f"successful req/s vs limit ({x_name} {xs[0]:g})", fontsize=9)
+        width = 0.27
+        for i, key in enumerate(("p50", "p99", "p99.9")):
+            axes[1].bar(idx + (i - 1) * width, [r["latency_ms"][key] or 0 for r in rows], width, label=key)
+        axes[1].set_xticks(idx, labels, rotation=20)
+        if has_probe:
+            for i, key in enumerate(("p50", "p99", "p99.9")):
+                axes[2].bar(idx + (i - 1) * width, [dig(r, "probe_latency_ms", key) or 0 for r in rows], width, label=key)
+            axes[2].set_xticks(idx, labels, rotation=20)
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel("ms")
+    axes[1].set_title("client latency (log scale)", fontsize=9)
+    if has_probe:
+        axes[2].set_yscale("log")
+        axes[2].set_ylabel("ms")
+        axes[2].set_title("light probe latency during the load (log)", fontsize=9)
+    for ax in axes:
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("req/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def scenario(args) -> None:
+    directory = Path(args.dir)
+    runs = load_runs(directory)
+    rows = [aggregate(v, x, rs) for v, x, rs in group_runs(runs)]
+    about = Path(args.about).read_text() if args.about and Path(args.about).exists() else ""
+    (directory / "report.md").write_text(markdown(rows, runs, args.title, about, args.command))
+    plot(rows, directory / "plot.png", args.title, runs)
+    summary = {"scenario": runs[0]["scenario"], "title": args.title, "command": args.command,
+               "date": sorted(r["started_at"] for r in runs)[-1], "rows": rows}
+    (directory / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {directory / 'report.md'} and {directory / 'plot.png'}")
+
+
+def summary_table(args) -> None:
+    results = Path(args.results)
+    out = ["# Benchmark results: headline table", "",
+           "Generated by `bench/lib/report.py summary` from each scenario's `summary.json`; "
+           "medians over repetitions. Each scenario's `report.md` has the full tables, the machine and the command.", ""]
+    order = ["seed-baseline", "sweep", "overload", "cpu", "mixed", "pinning", "pool", "instrumentation"]
+    found = sorted(results.glob("*/summary.json"), key=lambda p: order.index(p.parent.name) if p.parent.name in order else 99)
+    header = ["scenario", "variant", "x", "ok req/s", "limit", "efficiency", "p50 ms", "p99 ms", "p99.9 ms",
+              "probe p99 ms", "server CPU ms/req", "peak RSS MB", "errors", "limiting resource"]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for path in found:
+        data = json.loads(path.read_text())
+        for r in data["rows"]:
+            errors = {**r["non_2xx_total"], **r["socket_errors_total"]}
+            out.append("| " + " | ".join([
+                f"[{data['scenario']}]({path.parent.name}/report.md)", r["variant"], f"{r['x_name']} {r['x']:g}",
+                fmt(r["ok_rps"], 0), fmt(r["limit_rps"], 0), pct(r["efficiency"]), fmt(r["latency_ms"]["p50"], 1),
+                fmt(r["latency_ms"]["p99"], 1), fmt(r["latency_ms"]["p99.9"], 1),
+                fmt(dig(r, "probe_latency_ms", "p99"), 2), fmt(r["server_cpu_ms_per_request"], 3), fmt(r["peak_rss_mb"], 1),
+                ", ".join(f"{k}: {v:,}" for k, v in errors.items()) or "0", r["limiting_resource"],
+            ]) + " |")
+    out.append("")
+    (results / "SUMMARY.md").write_text("\n".join(out))
+    print(f"wrote {results / 'SUMMARY.md'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("scenario")
+    s.add_argument("dir")
+    s.add_argument("--title", required=True)
+    s.add_argument("--about")
+    s.add_argument("--command", default="")
+    s.set_defaults(func=scenario)
+    t = sub.add_parser("summary")
+    t.add_argument("results")
+    t.set_defaults(func=summary_table)
+    args = ap.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

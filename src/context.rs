@@ -1,0 +1,156 @@
+//! Per-request context in a `tokio::task_local!`.
+//!
+//! The Java gateways in the field reports kept request data in `ThreadLocal`s; with virtual
+//! threads every one of them became a per-request heap copy, and with platform pools a value
+//! leaked from one request into the next whenever a thread was reused. A task-local has neither
+//! problem: it lives exactly as long as the request's future, it is visible to every `.await`
+//! inside that future regardless of which worker thread polls it, and it is invisible to every
+//! other task. The one thing it does not do is follow work into `tokio::spawn`ed tasks; such
+//! work must be wrapped with [`scope`] (see [`spawn`]) explicitly — which is why the fan-out
+//! runs its parts as futures inside the request task instead of spawning them.
+//!
+//! The context is set once, by the request layer in `http::layers`, and read wherever needed:
+//! the log span, outgoing downstream headers, database statement timeouts.
+
+use std::{
+    future::Future,
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
+
+use tokio::time::Instant;
+
+tokio::task_local! {
+    static CURRENT: Arc<RequestContext>;
+}
+
+/// What every part of a request needs to know about it.
+#[derive(Debug)]
+pub struct RequestContext {
+    /// Taken from `x-request-id` when well-formed, generated otherwise.
+    pub request_id: Arc<str>,
+    /// W3C trace context of this request (trace id, this hop's span id, sampled flag).
+    pub trace: TraceIds,
+    /// The whole request must be answered by then; every downstream call and query gets at most
+    /// the time that is left.
+    pub deadline: Instant,
+    /// Set by handlers once the path has been parsed.
+    user_id: OnceLock<i64>,
+}
+
+/// Trace identifiers as lowercase hex, ready for `traceparent`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceIds {
+    pub trace_id: String,
+    pub span_id: String,
+    pub sampled: bool,
+}
+
+impl RequestContext {
+    pub fn new(request_id: Arc<str>, trace: TraceIds, deadline: Instant) -> Self {
+        Self {
+            request_id,
+            trace,
+            deadline,
+            user_id: OnceLock::new(),
+        }
+    }
+
+    /// Time left before the deadline (zero once it has passed).
+    pub fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+
+    pub fn set_user_id(&self, user_id: i64) {
+        // A request concerns one user; a second call with another id is a programming error
+        // we would rather see in tests than silently overwrite.
+        let stored = self.user_id.get_or_init(|| user_id);
+        debug_assert_eq!(*stored, user_id, "user id set twice with different values");
+    }
+
+    pub fn user_id(&self) -> Option<i64> {
+        self.user_id.get().copied()
+    }
+
+    /// The `traceparent` header value for an outgoing call made on behalf of this request.
+    pub fn traceparent(&self) -> String {
+        format!(
+            "00-{}-{}-{}",
+            self.trace.trace_id,
+            self.trace.span_id,
+            if self.trace.sampled { "01" } else { "00" }
+        )
+    }
+}
+
+/// Runs `fut` with `ctx` as its request context.
+pub async fn scope<F: Future>(ctx: Arc<RequestContext>, fut: F) -> F::Output {
+    CURRENT.scope(ctx, fut).await
+}
+
+/// The current request's context, if this code runs inside a request.
+pub fn current() -> Option<Arc<RequestContext>> {
+    CURRENT.try_with(Arc::clone).ok()
+}
+
+/// Spawns `fut` carrying the current request's context with it (task-locals do not cross
+/// `tokio::spawn` on their own). Outside a request it is a plain spawn.
+pub fn spawn<F>(fut: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    match current() {
+        Some(ctx) => tokio::spawn(CURRENT.scope(ctx, fut)),
+        None => tokio::spawn(fut),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx(id: &str) -> Arc<RequestContext> {
+        Arc::new(RequestContext::new(
+            id.into(),
+            TraceIds {
+                trace_id: "0af7651916cd43dd8448eb211c80319c".into(),
+                span_id: "b7ad6b7169203331".into(),
+                sampled: true,
+            },
+            Instant::now() + Duration::from_secs(1),
+        ))
+    }
+
+    #[tokio::test]
+    async fn context_is_visible_inside_its_scope_only() {
+        assert!(current().is_none());
+        let seen = scope(ctx("a"), async {
+            tokio::task::yield_now().await;
+            current().map(|c| c.request_id.to_string())
+        })
+        .await;
+        assert_eq!(seen.as_deref(), Some("a"));
+        assert!(current().is_none());
+    }
+
+    #[tokio::test]
+    async fn spawn_carries_the_context_and_plain_tokio_spawn_does_not() {
+        let (carried, plain) = scope(ctx("b"), async {
+            let carried = spawn(async { current().map(|c| c.request_id.to_string()) });
+            let plain = tokio::spawn(async { current().map(|c| c.request_id.to_string()) });
+            (carried.await.unwrap(), plain.await.unwrap())
+        })
+        .await;
+        assert_eq!(carried.as_deref(), Some("b"));
+        assert_eq!(plain, None);
+    }
+
+    #[test]
+    fn traceparent_is_w3c_formatted() {
+        assert_eq!(
+            ctx("c").traceparent(),
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        );
+    }
+}

@@ -1,0 +1,285 @@
+//! The Postgres pool and everything that touches it.
+//!
+//! The pool is the gateway's scarcest resource: the field reports' HikariCP pool of 30 behind
+//! thousands of virtual threads is exactly where their latency went. So every acquire is
+//! measured, and the time spent *waiting* for a pooled connection is kept apart from the time
+//! spent *opening* one (sqlx reports neither; see [`Db::acquire`]). Every statement runs with a
+//! `statement_timeout` derived from the request's remaining budget, so a query is never left
+//! running on the server after its caller has given up.
+
+pub mod orders;
+pub mod seed;
+
+use std::{
+    cell::Cell,
+    str::FromStr,
+    sync::{
+        Arc,
+        atomic::{AtomicI64, Ordering},
+    },
+    time::Duration,
+};
+
+use futures::FutureExt;
+use metrics::{Counter, Gauge, Histogram};
+use sqlx::{
+    PgConnection, PgPool,
+    migrate::Migrator,
+    pool::PoolConnection,
+    postgres::{PgConnectOptions, PgPoolOptions},
+};
+use tokio::time::Instant;
+
+use crate::config::DatabaseSettings;
+
+/// The migrations in `migrations/`, embedded in the binary.
+pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+
+/// Statement timeouts are never set below this: a budget that small cannot do useful work, and
+/// the caller will not start the query at all (see [`Db::acquire_for_request`]).
+const MIN_STATEMENT_TIMEOUT: Duration = Duration::from_millis(5);
+
+tokio::task_local! {
+    /// Set to true by the pool's `after_connect` hook when an acquire had to open a connection.
+    /// The hook runs inside the acquiring task, so a task-local is exactly scoped to one acquire.
+    static OPENED_CONNECTION: Cell<bool>;
+}
+
+/// A handle to the pool plus its instruments. Cheap to clone.
+#[derive(Clone)]
+pub struct Db {
+    pool: PgPool,
+    metrics: Arc<PoolMetrics>,
+}
+
+struct PoolMetrics {
+    waiters: AtomicI64,
+    waiters_gauge: Gauge,
+    acquire_wait: Histogram,
+    connect: Histogram,
+    acquire_timeouts: Counter,
+    idle: Gauge,
+    in_use: Gauge,
+    max: Gauge,
+}
+
+/// Why a connection could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum AcquireError {
+    /// The request's remaining budget is too small to run a statement.
+    #[error("request budget exhausted before the database was reached")]
+    BudgetExhausted,
+    /// The pool stayed empty for the whole acquire timeout (or the remaining budget).
+    #[error("timed out waiting for a database connection")]
+    TimedOut,
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+impl From<AcquireError> for crate::error::ApiError {
+    fn from(e: AcquireError) -> Self {
+        match e {
+            AcquireError::BudgetExhausted => crate::error::ApiError::GatewayTimeout,
+            AcquireError::TimedOut => crate::error::ApiError::Unavailable {
+                reason: "database pool exhausted",
+                retry_after: Duration::from_secs(1),
+            },
+            AcquireError::Database(e) => e.into(),
+        }
+    }
+}
+
+impl Db {
+    /// Builds the pool without connecting: the gateway starts (and reports not-ready) while the
+    /// database is down, and connections are opened on demand up to `max_connections`.
+    pub fn connect_lazy(settings: &DatabaseSettings) -> anyhow::Result<Self> {
+        let options =
+            PgConnectOptions::from_str(settings.url.expose())?.application_name("tributary");
+        let pool = PgPoolOptions::new()
+            .max_connections(settings.max_connections)
+            .min_connections(settings.min_connections)
+            .acquire_timeout(settings.acquire_timeout)
+            .idle_timeout(settings.idle_timeout)
+            // A connection that has been idle may have been cut by a proxy or a restart of the
+            // server; pinging idle ones costs a round trip only after they sat unused.
+            .test_before_acquire(true)
+            .after_connect(|_conn, _meta| {
+                let _ = OPENED_CONNECTION.try_with(|opened| opened.set(true));
+                futures::future::ready(Ok(())).boxed()
+            })
+            .connect_lazy_with(options);
+        let metrics = Arc::new(PoolMetrics {
+            waiters: AtomicI64::new(0),
+            waiters_gauge: metrics::gauge!("tributary_db_pool_waiters"),
+            acquire_wait: metrics::histogram!("tributary_db_pool_acquire_wait_seconds"),
+            connect: metrics::histogram!("tributary_db_pool_connect_duration_seconds"),
+            acquire_timeouts: metrics::counter!("tributary_db_pool_acquire_timeouts_total"),
+            idle: metrics::gauge!("tributary_db_pool_connections", "state" => "idle"),
+            in_use: metrics::gauge!("tributary_db_pool_connections", "state" => "in_use"),
+            max: metrics::gauge!("tributary_db_pool_max_connections"),
+        });
+        metrics.max.set(settings.max_connections as f64);
+        let db = Self { pool, metrics };
+        db.record_pool_gauges();
+        Ok(db)
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Applies pending migrations.
+    pub async fn migrate(&self) -> anyhow::Result<()> {
+        MIGRATOR.run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Readiness: the database answers and every embedded migration has been applied.
+    pub async fn is_ready(&self) -> Result<(), String> {
+        let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
+        let check = async {
+            let mut conn = self.acquire(Duration::from_secs(1)).await?;
+            let applied: Option<i64> =
+                sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
+                    .fetch_one(&mut *conn)
+                    .await
+                    .map_err(AcquireError::Database)?;
+            Ok::<_, AcquireError>(applied)
+        };
+        match tokio::time::timeout(Duration::from_secs(2), check).await {
+            Ok(Ok(Some(applied))) if applied >= latest => Ok(()),
+            Ok(Ok(applied)) => Err(format!(
+                "migrations pending: applied {applied:?}, latest {latest}"
+            )),
+            Ok(Err(e)) => Err(format!("database unreachable: {e}")),
+            Err(_) => Err("database check timed out".into()),
+        }
+    }
+
+    /// Samples pool occupancy into the gauges (called by the telemetry sampler and at start).
+    pub fn record_pool_gauges(&self) {
+        let size = self.pool.size() as f64;
+        let idle = self.pool.num_idle() as f64;
+        self.metrics.idle.set(idle);
+        self.metrics.in_use.set((size - idle).max(0.0));
+    }
+
+    /// Acquires a connection, waiting at most `max_wait` (and never longer than the pool's own
+    /// acquire timeout). Records waiting and connecting separately: an acquire that had to open
+    /// a connection is recorded as connect time (its permit wait is part of it, and is short
+    /// whenever a slot was free to open), every other acquire as wait time.
+    pub async fn acquire(
+        &self,
+        max_wait: Duration,
+    ) -> Result<PoolConnection<sqlx::Postgres>, AcquireError> {
+        let m = &self.metrics;
+        let _waiting = WaiterGuard::new(m);
+        let started = Instant::now();
+        let (result, opened) = OPENED_CONNECTION
+            .scope(Cell::new(false), async {
+                let r = tokio::time::timeout(max_wait, self.pool.acquire()).await;
+                (r, OPENED_CONNECTION.with(Cell::get))
+            })
+            .await;
+        let elapsed = started.elapsed().as_secs_f64();
+        match result {
+            Ok(Ok(conn)) => {
+                if opened {
+                    m.connect.record(elapsed);
+                } else {
+                    m.acquire_wait.record(elapsed);
+                }
+                Ok(conn)
+            }
+            Ok(Err(sqlx::Error::PoolTimedOut)) | Err(_) => {
+                m.acquire_timeouts.increment(1);
+                m.acquire_wait.record(elapsed);
+                Err(AcquireError::TimedOut)
+            }
+            Ok(Err(e)) => Err(AcquireError::Database(e)),
+        }
+    }
+
+    /// Acquires a connection for the current request: the wait is bounded by the remaining
+    /// budget, and the session's `statement_timeout` is set to what is left of it, so the
+    /// server abandons a statement its caller can no longer use.
+    pub async fn acquire_for_request(
+        &self,
+    ) -> Result<PoolConnection<sqlx::Postgres>, AcquireError> {
+        let remaining = crate::context::current()
+            .map(|c| c.remaining())
+            .unwrap_or(Duration::from_secs(30));
+        if remaining < MIN_STATEMENT_TIMEOUT {
+            return Err(AcquireError::BudgetExhausted);
+        }
+        let mut conn = self.acquire(remaining).await?;
+        let left = crate::context::current()
+            .map(|c| c.remaining())
+            .unwrap_or(Duration::from_secs(30));
+        if left < MIN_STATEMENT_TIMEOUT {
+            return Err(AcquireError::BudgetExhausted);
+        }
+        set_statement_timeout(&mut conn, left).await?;
+        Ok(conn)
+    }
+
+    /// Times a statement under its name.
+    pub fn query_timer(statement: &'static str) -> QueryTimer {
+        QueryTimer {
+            statement,
+            started: Instant::now(),
+        }
+    }
+
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+/// Session-level `statement_timeout`; every request path sets it again before its statements,
+/// so a value left behind on a pooled connection is always overwritten before use.
+async fn set_statement_timeout(
+    conn: &mut PgConnection,
+    budget: Duration,
+) -> Result<(), AcquireError> {
+    let millis = budget
+        .as_millis()
+        .max(MIN_STATEMENT_TIMEOUT.as_millis())
+        .to_string();
+    sqlx::query("SELECT set_config('statement_timeout', $1, false)")
+        .bind(millis)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Keeps the waiters gauge right even when an acquire is cancelled mid-wait.
+struct WaiterGuard<'a>(&'a PoolMetrics);
+
+impl<'a> WaiterGuard<'a> {
+    fn new(m: &'a PoolMetrics) -> Self {
+        let n = m.waiters.fetch_add(1, Ordering::Relaxed) + 1;
+        m.waiters_gauge.set(n as f64);
+        Self(m)
+    }
+}
+
+impl Drop for WaiterGuard<'_> {
+    fn drop(&mut self) {
+        let n = self.0.waiters.fetch_sub(1, Ordering::Relaxed) - 1;
+        self.0.waiters_gauge.set(n as f64);
+    }
+}
+
+/// Records a statement's latency under a bounded `statement` label when dropped.
+pub struct QueryTimer {
+    statement: &'static str,
+    started: Instant,
+}
+
+impl Drop for QueryTimer {
+    fn drop(&mut self) {
+        metrics::histogram!("tributary_db_query_duration_seconds", "statement" => self.statement)
+            .record(self.started.elapsed().as_secs_f64());
+    }
+}

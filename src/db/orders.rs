@@ -1,0 +1,227 @@
+//! Orders: the dashboard's recent-orders read and idempotent order creation.
+//!
+//! Idempotency is enforced by the database, not by a check-then-insert in the application:
+//! the key row is inserted in the same transaction as the order. A concurrent duplicate's
+//! `INSERT .. ON CONFLICT DO NOTHING` waits on the primary key until the first transaction
+//! ends, then finds the committed row and replays its stored response — so concurrent
+//! duplicates create exactly one order, and a crash mid-way leaves neither the order nor the key.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::{Acquire, PgConnection};
+use tracing::Instrument;
+
+use super::{AcquireError, Db};
+
+/// One line of the dashboard's `recent_orders`.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct OrderSummary {
+    pub id: i64,
+    pub status: String,
+    pub total_cents: i64,
+    pub created_at: DateTime<Utc>,
+}
+
+/// A validated order request (see `http::orders` for validation).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NewOrder {
+    pub user_id: i64,
+    pub items: Vec<NewItem>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NewItem {
+    pub sku: String,
+    pub quantity: i32,
+    pub unit_price_cents: i64,
+}
+
+/// An order as returned by the API.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Order {
+    pub id: i64,
+    pub user_id: i64,
+    pub status: String,
+    pub total_cents: i64,
+    pub created_at: DateTime<Utc>,
+    pub items: Vec<NewItem>,
+}
+
+/// What happened to a create request.
+#[derive(Debug)]
+pub enum CreateOutcome {
+    /// A new order was written; `body` is the stored response.
+    Created { body: String },
+    /// The key was seen before with the same request: the original response, verbatim.
+    Replayed { status: u16, body: String },
+    /// The key was seen before with a different request.
+    Conflict,
+}
+
+fn span(statement: &'static str) -> tracing::Span {
+    tracing::info_span!(
+        "db.query",
+        otel.name = statement,
+        otel.kind = "client",
+        db.system.name = "postgresql",
+        db.operation.name = statement,
+    )
+}
+
+impl Db {
+    /// The user's five most recent orders.
+    pub async fn recent_orders(&self, user_id: i64) -> Result<Vec<OrderSummary>, AcquireError> {
+        async {
+            let mut conn = self.acquire_for_request().await?;
+            let _t = Db::query_timer("recent_orders");
+            let rows = sqlx::query_as::<_, OrderSummary>(
+                "SELECT id, status, total_cents, created_at FROM orders \
+                 WHERE user_id = $1 ORDER BY created_at DESC LIMIT 5",
+            )
+            .bind(user_id)
+            .fetch_all(&mut *conn)
+            .await?;
+            Ok(rows)
+        }
+        .instrument(span("recent_orders"))
+        .await
+    }
+
+    /// Reads one order with its items.
+    pub async fn get_order(&self, id: i64) -> Result<Option<Order>, AcquireError> {
+        async {
+            let mut conn = self.acquire_for_request().await?;
+            let _t = Db::query_timer("get_order");
+            let Some(head) = sqlx::query_as::<_, (i64, i64, String, i64, DateTime<Utc>)>(
+                "SELECT id, user_id, status, total_cents, created_at FROM orders WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await?
+            else {
+                return Ok(None);
+            };
+            let items = load_items(&mut conn, id).await?;
+            Ok(Some(Order {
+                id: head.0,
+                user_id: head.1,
+                status: head.2,
+                total_cents: head.3,
+                created_at: head.4,
+                items,
+            }))
+        }
+        .instrument(span("get_order"))
+        .await
+    }
+
+    /// Creates an order under an idempotency key in one transaction.
+    /// `request_hash` identifies the request body (same key + same hash = replay).
+    pub async fn create_order(
+        &self,
+        key: &str,
+        request_hash: &[u8],
+        order: &NewOrder,
+        total_cents: i64,
+    ) -> Result<CreateOutcome, AcquireError> {
+        async {
+            let mut conn = self.acquire_for_request().await?;
+            let _t = Db::query_timer("create_order");
+            let mut tx = conn.begin().await?;
+            let claimed: Option<i32> = sqlx::query_scalar(
+                "INSERT INTO idempotency_keys (key, request_hash) VALUES ($1, $2) \
+                 ON CONFLICT (key) DO NOTHING RETURNING 1",
+            )
+            .bind(key)
+            .bind(request_hash)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if claimed.is_none() {
+                // Someone committed this key first (we waited for them if they were mid-way).
+                let (hash, status, body): (Vec<u8>, Option<i16>, Option<String>) =
+                    sqlx::query_as(
+                        "SELECT request_hash, response_status, response_body \
+                         FROM idempotency_keys WHERE key = $1",
+                    )
+                    .bind(key)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                tx.rollback().await?;
+                return Ok(match (hash == request_hash, status, body) {
+                    (true, Some(status), Some(body)) => CreateOutcome::Replayed {
+                        status: status as u16,
+                        body,
+                    },
+                    (true, _, _) => {
+                        return Err(AcquireError::Database(sqlx::Error::Protocol(
+                            "idempotency key committed without a response".into(),
+                        )));
+                    }
+                    (false, _, _) => CreateOutcome::Conflict,
+                });
+            }
+            let (id, status, created_at): (i64, String, DateTime<Utc>) = sqlx::query_as(
+                "INSERT INTO orders (user_id, total_cents) VALUES ($1, $2) \
+                 RETURNING id, status, created_at",
+            )
+            .bind(order.user_id)
+            .bind(total_cents)
+            .fetch_one(&mut *tx)
+            .await?;
+            let skus: Vec<&str> = order.items.iter().map(|i| i.sku.as_str()).collect();
+            let quantities: Vec<i32> = order.items.iter().map(|i| i.quantity).collect();
+            let prices: Vec<i64> = order.items.iter().map(|i| i.unit_price_cents).collect();
+            sqlx::query(
+                "INSERT INTO order_items (order_id, line_no, sku, quantity, unit_price_cents) \
+                 SELECT $1, t.ord, t.sku, t.quantity, t.price \
+                 FROM unnest($2::text[], $3::int4[], $4::int8[]) WITH ORDINALITY \
+                      AS t(sku, quantity, price, ord)",
+            )
+            .bind(id)
+            .bind(&skus)
+            .bind(&quantities)
+            .bind(&prices)
+            .execute(&mut *tx)
+            .await?;
+            let body = serde_json::to_string(&Order {
+                id,
+                user_id: order.user_id,
+                status,
+                total_cents,
+                created_at,
+                items: order.items.clone(),
+            })
+            .map_err(|e| AcquireError::Database(sqlx::Error::Encode(Box::new(e))))?;
+            sqlx::query(
+                "UPDATE idempotency_keys SET order_id = $2, response_status = 201, response_body = $3 \
+                 WHERE key = $1",
+            )
+            .bind(key)
+            .bind(id)
+            .bind(&body)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            Ok(CreateOutcome::Created { body })
+        }
+        .instrument(span("create_order"))
+        .await
+    }
+}
+
+async fn load_items(conn: &mut PgConnection, order_id: i64) -> Result<Vec<NewItem>, sqlx::Error> {
+    let rows: Vec<(String, i32, i64)> = sqlx::query_as(
+        "SELECT sku, quantity, unit_price_cents FROM order_items WHERE order_id = $1 ORDER BY line_no",
+    )
+    .bind(order_id)
+    .fetch_all(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(sku, quantity, unit_price_cents)| NewItem {
+            sku,
+            quantity,
+            unit_price_cents,
+        })
+        .collect())
+}

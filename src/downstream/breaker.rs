@@ -1,0 +1,249 @@
+//! A circuit breaker per downstream: closed → open → half-open → closed.
+//!
+//! While a dependency is failing, calling it anyway costs a timeout per request and keeps its
+//! bulkhead full; an open circuit answers "no" in nanoseconds instead, so optional parts degrade
+//! at once and a required part fails fast with 503. After `open_for`, a few probes are let
+//! through (half-open); if they all succeed the circuit closes, if one fails it opens again.
+//!
+//! The state sits behind a `std::sync::Mutex`: every critical section is a handful of integer
+//! operations with no `.await` inside, which is cheaper than an async mutex and cannot block a
+//! worker for longer than the bookkeeping itself (the mini-redis argument).
+
+use std::sync::Mutex;
+
+use metrics::Gauge;
+use tokio::time::Instant;
+
+use crate::config::CircuitBreakerSettings;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Closed,
+    HalfOpen,
+    Open,
+}
+
+impl State {
+    fn gauge_value(self) -> f64 {
+        match self {
+            State::Closed => 0.0,
+            State::HalfOpen => 1.0,
+            State::Open => 2.0,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    state: State,
+    window_started: Instant,
+    calls: u32,
+    failures: u32,
+    opened_at: Instant,
+    probes_in_flight: u32,
+    probe_successes: u32,
+}
+
+/// Permission to make one call; report its outcome with [`Breaker::record`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    Yes,
+    /// Yes, as one of the half-open probes.
+    Probe,
+}
+
+pub struct Breaker {
+    settings: CircuitBreakerSettings,
+    inner: Mutex<Inner>,
+    gauge: Gauge,
+}
+
+impl Breaker {
+    pub fn new(settings: CircuitBreakerSettings, gauge: Gauge) -> Self {
+        let now = Instant::now();
+        gauge.set(State::Closed.gauge_value());
+        Self {
+            settings,
+            inner: Mutex::new(Inner {
+                state: State::Closed,
+                window_started: now,
+                calls: 0,
+                failures: 0,
+                opened_at: now,
+                probes_in_flight: 0,
+                probe_successes: 0,
+            }),
+            gauge,
+        }
+    }
+
+    pub fn state(&self) -> State {
+        self.lock().state
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding this lock cannot leave the counters in a state worse than
+        // "slightly off"; keep serving rather than poisoning every later call.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// May a call be made now? `None` means the circuit is open: fail fast.
+    pub fn admit(&self) -> Option<Admit> {
+        if !self.settings.enabled {
+            return Some(Admit::Yes);
+        }
+        let mut s = self.lock();
+        let now = Instant::now();
+        match s.state {
+            State::Closed => Some(Admit::Yes),
+            State::Open if now.duration_since(s.opened_at) >= self.settings.open_for => {
+                self.transition(&mut s, State::HalfOpen, now);
+                s.probes_in_flight = 1;
+                Some(Admit::Probe)
+            }
+            State::Open => None,
+            State::HalfOpen if s.probes_in_flight < self.settings.half_open_probes => {
+                s.probes_in_flight += 1;
+                Some(Admit::Probe)
+            }
+            State::HalfOpen => None,
+        }
+    }
+
+    /// Reports how an admitted call ended.
+    pub fn record(&self, admit: Admit, success: bool) {
+        if !self.settings.enabled {
+            return;
+        }
+        let mut s = self.lock();
+        let now = Instant::now();
+        if admit == Admit::Probe {
+            if s.state != State::HalfOpen {
+                return; // a stale probe from an earlier half-open period
+            }
+            s.probes_in_flight = s.probes_in_flight.saturating_sub(1);
+            if success {
+                s.probe_successes += 1;
+                if s.probe_successes >= self.settings.half_open_probes {
+                    self.transition(&mut s, State::Closed, now);
+                }
+            } else {
+                self.transition(&mut s, State::Open, now);
+            }
+            return;
+        }
+        if s.state != State::Closed {
+            return; // a call admitted before the circuit opened
+        }
+        if now.duration_since(s.window_started) >= self.settings.window {
+            s.window_started = now;
+            s.calls = 0;
+            s.failures = 0;
+        }
+        s.calls += 1;
+        if !success {
+            s.failures += 1;
+        }
+        if s.calls >= self.settings.min_calls
+            && f64::from(s.failures) >= self.settings.failure_ratio * f64::from(s.calls)
+        {
+            self.transition(&mut s, State::Open, now);
+        }
+    }
+
+    /// Gives back a probe slot whose call never happened (e.g. shed by the bulkhead).
+    pub fn release_unused(&self, admit: Admit) {
+        if admit == Admit::Probe {
+            let mut s = self.lock();
+            if s.state == State::HalfOpen {
+                s.probes_in_flight = s.probes_in_flight.saturating_sub(1);
+            }
+        }
+    }
+
+    fn transition(&self, s: &mut Inner, to: State, now: Instant) {
+        if s.state != to {
+            tracing::warn!(from = ?s.state, to = ?to, "circuit breaker state change");
+        }
+        s.state = to;
+        s.window_started = now;
+        s.calls = 0;
+        s.failures = 0;
+        s.probe_successes = 0;
+        s.probes_in_flight = 0;
+        if to == State::Open {
+            s.opened_at = now;
+        }
+        self.gauge.set(to.gauge_value());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn breaker() -> Breaker {
+        Breaker::new(
+            CircuitBreakerSettings {
+                enabled: true,
+                failure_ratio: 0.5,
+                min_calls: 4,
+                window: Duration::from_secs(10),
+                open_for: Duration::from_secs(5),
+                half_open_probes: 2,
+            },
+            metrics::gauge!("test_breaker_state"),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn opens_after_enough_failures_then_probes_and_closes() {
+        let b = breaker();
+        for ok in [true, false, false, true] {
+            let a = b.admit().unwrap();
+            b.record(a, ok);
+        }
+        assert_eq!(b.state(), State::Open);
+        assert!(b.admit().is_none(), "open circuit must fail fast");
+
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let p1 = b.admit().unwrap();
+        let p2 = b.admit().unwrap();
+        assert_eq!((p1, p2), (Admit::Probe, Admit::Probe));
+        assert!(b.admit().is_none(), "only half_open_probes probes at once");
+        b.record(p1, true);
+        assert_eq!(b.state(), State::HalfOpen);
+        b.record(p2, true);
+        assert_eq!(b.state(), State::Closed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_probe_reopens_the_circuit() {
+        let b = breaker();
+        for _ in 0..4 {
+            let a = b.admit().unwrap();
+            b.record(a, false);
+        }
+        tokio::time::advance(Duration::from_secs(6)).await;
+        let p = b.admit().unwrap();
+        b.record(p, false);
+        assert_eq!(b.state(), State::Open);
+        assert!(b.admit().is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failures_below_min_calls_or_spread_over_windows_do_not_open() {
+        let b = breaker();
+        for _ in 0..3 {
+            let a = b.admit().unwrap();
+            b.record(a, false);
+        }
+        assert_eq!(b.state(), State::Closed);
+        tokio::time::advance(Duration::from_secs(11)).await;
+        let a = b.admit().unwrap();
+        b.record(a, false);
+        assert_eq!(b.state(), State::Closed, "the window reset the count");
+    }
+}

@@ -1,0 +1,498 @@
+//! One typed client per downstream service.
+//!
+//! Each [`Downstream`] owns everything about calling one service: its base URL, its timeout,
+//! its bulkhead (a bound on concurrent calls, so one slow dependency cannot absorb all the
+//! gateway's capacity — the reports' pool-mismatch lesson), its circuit breaker, its retry
+//! budget and its instruments. Handlers never touch `reqwest`.
+//!
+//! Every call is bounded by the request's deadline: the effective timeout is
+//! `min(call timeout, remaining budget)`, a call that cannot fit in the remaining budget is not
+//! started, and the remaining budget travels downstream in `x-request-budget-ms` so the callee
+//! can give up in time too. Retries are for idempotent calls only, jittered, capped by a retry
+//! budget (a share of traffic), and never run past the deadline.
+
+pub mod breaker;
+
+use std::{sync::Arc, time::Duration};
+
+use bytes::{Bytes, BytesMut};
+use http::HeaderValue;
+use metrics::{Counter, Gauge, Histogram};
+use rand::Rng;
+use serde_json::value::RawValue;
+use tokio::{
+    sync::{OwnedSemaphorePermit, Semaphore},
+    time::Instant,
+};
+use tower::retry::budget::{Budget, TpsBudget};
+use tracing::Instrument;
+
+use crate::config::{
+    CircuitBreakerSettings, DownstreamSettings, HttpClientSettings, RetrySettings,
+};
+use breaker::Breaker;
+
+/// Header carrying the caller's remaining budget in whole milliseconds.
+pub const BUDGET_HEADER: &str = "x-request-budget-ms";
+
+/// A call is not started with less budget than this left: it could not complete anyway.
+const MIN_CALL_BUDGET: Duration = Duration::from_millis(2);
+
+/// Largest downstream body accepted; a larger one is an error, not an allocation.
+const MAX_BODY_BYTES: usize = 1024 * 1024;
+
+/// How a downstream call ended; also the `outcome` metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Ok,
+    Error,
+    Timeout,
+    Shed,
+    CircuitOpen,
+    BudgetExhausted,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 6] = [
+        Outcome::Ok,
+        Outcome::Error,
+        Outcome::Timeout,
+        Outcome::Shed,
+        Outcome::CircuitOpen,
+        Outcome::BudgetExhausted,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Error => "error",
+            Outcome::Timeout => "timeout",
+            Outcome::Shed => "shed",
+            Outcome::CircuitOpen => "circuit_open",
+            Outcome::BudgetExhausted => "budget_exhausted",
+        }
+    }
+}
+
+/// Why a call produced no usable body.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("{service} timed out")]
+    Timeout { service: &'static str },
+    #[error("{service} answered {status}")]
+    Status { service: &'static str, status: u16 },
+    #[error("{service} could not be reached: {source}")]
+    Transport {
+        service: &'static str,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("{service} sent an invalid body: {reason}")]
+    InvalidBody {
+        service: &'static str,
+        reason: String,
+    },
+    #[error("{service} bulkhead full")]
+    Shed { service: &'static str },
+    #[error("{service} circuit open")]
+    CircuitOpen { service: &'static str },
+    #[error("no budget left to call {service}")]
+    BudgetExhausted { service: &'static str },
+}
+
+impl CallError {
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            CallError::Timeout { .. } => Outcome::Timeout,
+            CallError::Status { .. }
+            | CallError::Transport { .. }
+            | CallError::InvalidBody { .. } => Outcome::Error,
+            CallError::Shed { .. } => Outcome::Shed,
+            CallError::CircuitOpen { .. } => Outcome::CircuitOpen,
+            CallError::BudgetExhausted { .. } => Outcome::BudgetExhausted,
+        }
+    }
+
+    /// Worth another attempt: the failure may be transient and the call is idempotent.
+    fn retryable(&self) -> bool {
+        match self {
+            CallError::Transport { .. } => true,
+            CallError::Status { status, .. } => matches!(status, 502..=504),
+            _ => false,
+        }
+    }
+}
+
+/// The shared HTTP client: one connection pool for all downstreams, keep-alive on, sized for
+/// the admission limit so that steady load reuses connections instead of opening new ones.
+pub fn build_client(settings: &HttpClientSettings) -> anyhow::Result<reqwest::Client> {
+    // reqwest's rustls backend uses the process-wide crypto provider; installing it twice is
+    // harmless (tests build many clients), so the error of a second install is ignored.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    Ok(reqwest::Client::builder()
+        .pool_max_idle_per_host(settings.pool_max_idle_per_host)
+        .pool_idle_timeout(settings.pool_idle_timeout)
+        .connect_timeout(settings.connect_timeout)
+        .tcp_nodelay(true)
+        .redirect(reqwest::redirect::Policy::none())
+        .user_agent(concat!("tributary/", env!("CARGO_PKG_VERSION")))
+        .build()?)
+}
+
+struct Instruments {
+    in_flight: Gauge,
+    retries: Counter,
+    hedges: Counter,
+    requests: [Counter; 6],
+    duration: [Histogram; 6],
+}
+
+impl Instruments {
+    fn new(service: &'static str) -> Self {
+        Self {
+            in_flight: metrics::gauge!("tributary_downstream_in_flight", "downstream" => service),
+            retries: metrics::counter!("tributary_downstream_retries_total", "downstream" => service),
+            hedges: metrics::counter!("tributary_downstream_hedges_total", "downstream" => service),
+            requests: Outcome::ALL.map(|o| {
+                metrics::counter!("tributary_downstream_requests_total", "downstream" => service, "outcome" => o.as_str())
+            }),
+            duration: Outcome::ALL.map(|o| {
+                metrics::histogram!("tributary_downstream_request_duration_seconds", "downstream" => service, "outcome" => o.as_str())
+            }),
+        }
+    }
+
+    fn record(&self, outcome: Outcome, elapsed: Duration) {
+        let i = outcome as usize;
+        self.requests[i].increment(1);
+        self.duration[i].record(elapsed.as_secs_f64());
+    }
+}
+
+/// A typed client for one downstream service.
+pub struct Downstream {
+    name: &'static str,
+    /// `{base_url}/{name}/`; the user id is appended per call.
+    prefix: String,
+    timeout: Duration,
+    hedge_after: Option<Duration>,
+    bulkhead: Arc<Semaphore>,
+    breaker: Breaker,
+    retry: RetrySettings,
+    retry_budget: TpsBudget,
+    client: reqwest::Client,
+    metrics: Instruments,
+}
+
+impl Downstream {
+    pub fn new(
+        name: &'static str,
+        settings: &DownstreamSettings,
+        breaker: &CircuitBreakerSettings,
+        retry: &RetrySettings,
+        client: reqwest::Client,
+    ) -> Self {
+        let base = settings.base_url.trim_end_matches('/');
+        Self {
+            name,
+            prefix: format!("{base}/{name}/"),
+            timeout: settings.timeout,
+            hedge_after: settings.hedge_after,
+            bulkhead: Arc::new(Semaphore::new(settings.max_concurrency)),
+            breaker: Breaker::new(
+                breaker.clone(),
+                metrics::gauge!("tributary_downstream_circuit_state", "downstream" => name),
+            ),
+            retry: retry.clone(),
+            retry_budget: TpsBudget::new(
+                Duration::from_secs(10),
+                retry.budget_min_per_sec,
+                retry.budget_ratio,
+            ),
+            client,
+            metrics: Instruments::new(name),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    pub fn breaker_state(&self) -> breaker::State {
+        self.breaker.state()
+    }
+
+    /// Calls without the bulkhead's permit taken: for tests and diagnostics.
+    pub fn available_permits(&self) -> usize {
+        self.bulkhead.available_permits()
+    }
+
+    /// `GET {base}/{service}/{user_id}`: the body, validated as JSON and kept as raw text so it
+    /// can be embedded in the response without a parse-and-reserialise round trip.
+    pub async fn fetch_user_part(&self, user_id: i64) -> Result<Box<RawValue>, CallError> {
+        let span = tracing::info_span!(
+            "downstream.call",
+            otel.name = %format_args!("GET /{}/{{user_id}}", self.name),
+            otel.kind = "client",
+            http.request.method = "GET",
+            server.address = self.name,
+            downstream = self.name,
+            http.response.status_code = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        let started = Instant::now();
+        let result = self.call(user_id).instrument(span.clone()).await;
+        let outcome = match &result {
+            Ok(_) => Outcome::Ok,
+            Err(e) => e.outcome(),
+        };
+        span.record("outcome", outcome.as_str());
+        self.metrics.record(outcome, started.elapsed());
+        result
+    }
+
+    async fn call(&self, user_id: i64) -> Result<Box<RawValue>, CallError> {
+        let service = self.name;
+        let Some(admit) = self.breaker.admit() else {
+            return Err(CallError::CircuitOpen { service });
+        };
+        // Bulkhead: never queue behind a saturated dependency; degrade instead.
+        let Ok(permit) = Arc::clone(&self.bulkhead).try_acquire_owned() else {
+            self.breaker.release_unused(admit);
+            return Err(CallError::Shed { service });
+        };
+        let _in_flight = InFlight::new(&self.metrics.in_flight, permit);
+        self.retry_budget.deposit();
+        let url = format!("{}{user_id}", self.prefix);
+        let mut attempt = 0;
+        let result = loop {
+            let result = match self.hedge_after {
+                Some(after) => self.hedged(&url, after).await,
+                None => self.attempt(&url).await,
+            };
+            match result {
+                Err(e) if e.retryable() && attempt < self.retry.max_retries => {
+                    let backoff = jittered(self.retry.backoff_base, attempt);
+                    // Never retry past the deadline: the retry must fit in what is left.
+                    if remaining() < backoff + MIN_CALL_BUDGET * 5 || !self.retry_budget.withdraw()
+                    {
+                        break Err(e);
+                    }
+                    attempt += 1;
+                    self.metrics.retries.increment(1);
+                    tracing::debug!(error = %e, attempt, "retrying");
+                    tokio::time::sleep(backoff).await;
+                }
+                other => break other,
+            }
+        };
+        let success = match &result {
+            Ok(_) => true,
+            // The caller's own budget running out says nothing about the dependency's health.
+            Err(CallError::BudgetExhausted { .. }) => {
+                self.breaker.release_unused(admit);
+                return result;
+            }
+            Err(_) => false,
+        };
+        self.breaker.record(admit, success);
+        result
+    }
+
+    /// Sends a second request if the first is slower than `after`; the first success wins and
+    /// the loser is cancelled by being dropped.
+    async fn hedged(&self, url: &str, after: Duration) -> Result<Box<RawValue>, CallError> {
+        let first = self.attempt(url);
+        tokio::pin!(first);
+        tokio::select! {
+            r = &mut first => return r,
+            _ = tokio::time::sleep(after) => {}
+        }
+        if remaining() < MIN_CALL_BUDGET * 5 || !self.retry_budget.withdraw() {
+            return first.await;
+        }
+        self.metrics.hedges.increment(1);
+        let second = self.attempt(url);
+        tokio::pin!(second);
+        tokio::select! {
+            r = &mut first => match r {
+                Ok(v) => Ok(v),
+                Err(_) => second.await,
+            },
+            r = &mut second => match r {
+                Ok(v) => Ok(v),
+                Err(_) => first.await,
+            },
+        }
+    }
+
+    /// One HTTP exchange bounded by min(call timeout, remaining budget).
+    async fn attempt(&self, url: &str) -> Result<Box<RawValue>, CallError> {
+        let service = self.name;
+        let budget = remaining();
+        if budget < MIN_CALL_BUDGET {
+            return Err(CallError::BudgetExhausted { service });
+        }
+        let timeout = self.timeout.min(budget);
+        let mut request = self
+            .client
+            .get(url)
+            .header(BUDGET_HEADER, timeout.as_millis() as u64);
+        if let Some(ctx) = crate::context::current() {
+            if let Ok(id) = HeaderValue::from_str(&ctx.request_id) {
+                request = request.header("x-request-id", id);
+            }
+            request = request.header("traceparent", ctx.traceparent());
+        }
+        let exchange = async {
+            let response = request
+                .send()
+                .await
+                .map_err(|source| CallError::Transport { service, source })?;
+            let status = response.status();
+            tracing::Span::current().record("http.response.status_code", status.as_u16());
+            if !status.is_success() {
+                return Err(CallError::Status {
+                    service,
+                    status: status.as_u16(),
+                });
+            }
+            let body = read_body(response, service).await?;
+            // Validate without building a DOM: RawValue keeps the original bytes.
+            let text = String::from_utf8(body.into()).map_err(|_| CallError::InvalidBody {
+                service,
+                reason: "not UTF-8".into(),
+            })?;
+            RawValue::from_string(text).map_err(|e| CallError::InvalidBody {
+                service,
+                reason: e.to_string(),
+            })
+        };
+        match tokio::time::timeout(timeout, exchange).await {
+            Ok(result) => result,
+            Err(_) => Err(CallError::Timeout { service }),
+        }
+    }
+}
+
+async fn read_body(
+    mut response: reqwest::Response,
+    service: &'static str,
+) -> Result<Bytes, CallError> {
+    if response
+        .content_length()
+        .is_some_and(|n| n as usize > MAX_BODY_BYTES)
+    {
+        return Err(CallError::InvalidBody {
+            service,
+            reason: "body too large".into(),
+        });
+    }
+    let mut buf = BytesMut::with_capacity(response.content_length().unwrap_or(1024) as usize);
+    while let Some(chunk) = response
+        .chunk()
+        .await
+        .map_err(|source| CallError::Transport { service, source })?
+    {
+        if buf.len() + chunk.len() > MAX_BODY_BYTES {
+            return Err(CallError::InvalidBody {
+                service,
+                reason: "body too large".into(),
+            });
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf.freeze())
+}
+
+fn remaining() -> Duration {
+    crate::context::current()
+        .map(|c| c.remaining())
+        .unwrap_or(Duration::from_secs(30))
+}
+
+/// Exponential backoff with full jitter: uniform in [0, base × 2^attempt].
+fn jittered(base: Duration, attempt: u32) -> Duration {
+    let cap = base.saturating_mul(1 << attempt.min(10));
+    let nanos = rand::rng().random_range(0..=cap.as_nanos().max(1) as u64);
+    Duration::from_nanos(nanos)
+}
+
+/// Holds the bulkhead permit and keeps the in-flight gauge right on every exit path,
+/// including cancellation.
+struct InFlight<'a> {
+    gauge: &'a Gauge,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl<'a> InFlight<'a> {
+    fn new(gauge: &'a Gauge, permit: OwnedSemaphorePermit) -> Self {
+        gauge.increment(1.0);
+        Self {
+            gauge,
+            _permit: permit,
+        }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.gauge.decrement(1.0);
+    }
+}
+
+/// The five services, built once at start-up.
+pub struct Downstreams {
+    pub users: Downstream,
+    pub carts: Downstream,
+    pub recommendations: Downstream,
+    pub promotions: Downstream,
+    pub notifications: Downstream,
+}
+
+impl Downstreams {
+    pub fn new(settings: &crate::config::Settings, client: reqwest::Client) -> Self {
+        let d = &settings.downstreams;
+        let make = |name, s| {
+            Downstream::new(
+                name,
+                s,
+                &settings.circuit_breaker,
+                &settings.retry,
+                client.clone(),
+            )
+        };
+        Self {
+            users: make("users", &d.users),
+            carts: make("carts", &d.carts),
+            recommendations: make("recommendations", &d.recommendations),
+            promotions: make("promotions", &d.promotions),
+            notifications: make("notifications", &d.notifications),
+        }
+    }
+
+    pub fn all(&self) -> [&Downstream; 5] {
+        [
+            &self.users,
+            &self.carts,
+            &self.recommendations,
+            &self.promotions,
+            &self.notifications,
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jitter_stays_within_the_exponential_cap() {
+        for attempt in 0..4 {
+            for _ in 0..100 {
+                let d = jittered(Duration::from_millis(10), attempt);
+                assert!(d <= Duration::from_millis(10 << attempt));
+            }
+        }
+    }
+}

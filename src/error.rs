@@ -1,0 +1,222 @@
+//! The HTTP API's error type: every outcome a client can see that is not a success.
+//!
+//! Each variant is a client-visible outcome with one status; the mapping is the single `match`
+//! in [`ApiError::status`]. Bodies are RFC 9457 `application/problem+json`. Client errors say
+//! what was wrong (down to the field); server errors are opaque — their cause chain is logged
+//! once, here, inside the request's span, and never sent.
+
+use std::time::Duration;
+
+use axum::{
+    Json,
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+use serde::Serialize;
+
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// 400: a path parameter, header or body field is invalid.
+    #[error("invalid {field}: {detail}")]
+    Validation { field: String, detail: String },
+    /// 404: the route or the resource does not exist.
+    #[error("not found")]
+    NotFound,
+    /// 405: the route exists but not with this method.
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    /// 409: an idempotency key was reused with a different request body.
+    #[error("idempotency key reused with a different request")]
+    IdempotencyConflict,
+    /// 413: the request body is larger than `server.max_body_bytes`.
+    #[error("request body too large")]
+    PayloadTooLarge { limit: usize },
+    /// 415: the body is not JSON.
+    #[error("unsupported media type")]
+    UnsupportedMediaType,
+    /// 429: this client is sending faster than its rate limit ("you are too fast").
+    #[error("rate limit exceeded")]
+    RateLimited { retry_after: Duration },
+    /// 502: a required downstream answered with an error or an invalid body.
+    #[error("required downstream {service} failed")]
+    BadGateway { service: &'static str },
+    /// 503: the gateway is full or a required dependency is known to be down ("we are full").
+    #[error("service unavailable: {reason}")]
+    Unavailable {
+        reason: &'static str,
+        retry_after: Duration,
+    },
+    /// 504: the request deadline passed, or a required downstream timed out.
+    #[error("gateway timeout")]
+    GatewayTimeout,
+    /// 500: anything else; the cause is logged, never shown.
+    #[error(transparent)]
+    Internal(#[from] anyhow::Error),
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(e: sqlx::Error) -> Self {
+        match e {
+            sqlx::Error::PoolTimedOut => ApiError::Unavailable {
+                reason: "database pool exhausted",
+                retry_after: Duration::from_secs(1),
+            },
+            other => ApiError::Internal(other.into()),
+        }
+    }
+}
+
+impl ApiError {
+    pub fn validation(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        ApiError::Validation {
+            field: field.into(),
+            detail: detail.into(),
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::Validation { .. } => StatusCode::BAD_REQUEST,
+            ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::IdempotencyConflict => StatusCode::CONFLICT,
+            ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::BadGateway { .. } => StatusCode::BAD_GATEWAY,
+            ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn problem(&self) -> Problem {
+        let status = self.status();
+        let (kind, detail, field) = match self {
+            ApiError::Validation { field, detail } => (
+                "validation",
+                Some(format!("{field}: {detail}")),
+                Some(field.clone()),
+            ),
+            ApiError::NotFound => ("not-found", None, None),
+            ApiError::MethodNotAllowed => ("method-not-allowed", None, None),
+            ApiError::IdempotencyConflict => (
+                "idempotency-conflict",
+                Some("this Idempotency-Key was already used with a different request body".into()),
+                Some("Idempotency-Key".into()),
+            ),
+            ApiError::PayloadTooLarge { limit } => (
+                "payload-too-large",
+                Some(format!("the request body must not exceed {limit} bytes")),
+                None,
+            ),
+            ApiError::UnsupportedMediaType => (
+                "unsupported-media-type",
+                Some("the request body must be application/json".into()),
+                None,
+            ),
+            ApiError::RateLimited { .. } => (
+                "rate-limited",
+                Some("too many requests from this client; slow down and retry later".into()),
+                None,
+            ),
+            ApiError::BadGateway { service } => (
+                "bad-gateway",
+                Some(format!("the required {service} service failed")),
+                None,
+            ),
+            ApiError::Unavailable { reason, .. } => {
+                ("unavailable", Some(format!("{reason}; retry later")), None)
+            }
+            ApiError::GatewayTimeout => (
+                "gateway-timeout",
+                Some("the request could not be answered within its deadline".into()),
+                None,
+            ),
+            ApiError::Internal(_) => ("internal", None, None),
+        };
+        Problem {
+            kind: format!("/problems/{kind}"),
+            title: status.canonical_reason().unwrap_or("Error"),
+            status: status.as_u16(),
+            detail,
+            field,
+            request_id: crate::context::current().map(|c| c.request_id.to_string()),
+        }
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ApiError::RateLimited { retry_after } | ApiError::Unavailable { retry_after, .. } => {
+                Some(*retry_after)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// RFC 9457 problem details.
+#[derive(Debug, Serialize)]
+pub struct Problem {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: &'static str,
+    pub status: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// Extension member: which input was wrong.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    /// Extension member: the request id, to quote to support.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            // The one place a server-side error is logged: inside the request span, with the
+            // whole cause chain, which the client never sees.
+            tracing::error!(error = ?self, status = status.as_u16(), "request failed");
+        }
+        let mut response = (status, Json(self.problem())).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(after) = self.retry_after() {
+            // Retry-After is whole seconds; never advertise 0, which invites an instant retry storm.
+            let secs = after.as_secs_f64().ceil().max(1.0) as u64;
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn internal_errors_do_not_leak_their_cause() {
+        let resp =
+            ApiError::Internal(anyhow::anyhow!("password=hunter2 at db:5432")).into_response();
+        assert_eq!(resp.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(resp.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+        let body = axum::body::to_bytes(resp.into_body(), 4096).await.unwrap();
+        let text = String::from_utf8(body.to_vec()).unwrap();
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(text.contains("\"status\":500"));
+    }
+
+    #[test]
+    fn retry_after_is_at_least_one_second() {
+        let resp = ApiError::Unavailable {
+            reason: "full",
+            retry_after: Duration::from_millis(10),
+        }
+        .into_response();
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "1");
+    }
+}

@@ -1,0 +1,391 @@
+//! The downstream simulator: the five services the gateway fans out to, with latency, errors
+//! and failure modes you can set — at start-up by flags, and per service at run time through
+//! a small control API (`PUT /_sim/services/{service}`), which is how the fault-injection tests
+//! make one dependency slow, hang, fail or reset connections while the gateway keeps running.
+//!
+//! It also keeps score of what it saw: requests, in-flight calls, calls abandoned by the caller
+//! before they finished (the proof that the gateway cancels), and a bounded journal of the
+//! request ids, trace context and budgets that arrived with each call.
+//!
+//! It is a library module so tests can run it in-process on port 0; the `downstream-sim` binary
+//! is a thin wrapper for compose, Kubernetes and the benchmark lab.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    net::SocketAddr,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{
+    Json, Router,
+    extract::{Path, State},
+    http::{HeaderMap, StatusCode},
+    response::{IntoResponse, Response},
+    routing::{get, put},
+};
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+
+pub const SERVICES: [&str; 5] = [
+    "users",
+    "carts",
+    "recommendations",
+    "promotions",
+    "notifications",
+];
+
+/// How a service behaves.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Behaviour {
+    /// Base latency.
+    #[serde(with = "humantime_serde")]
+    pub latency: Duration,
+    /// Uniform jitter added to or taken from the latency.
+    #[serde(with = "humantime_serde")]
+    pub jitter: Duration,
+    /// Share of requests answered with 500.
+    pub error_rate: f64,
+    /// Approximate size of each JSON body.
+    pub body_bytes: usize,
+    /// CPU burnt per request (busy loop on a blocking thread), to model a CPU-heavy service.
+    #[serde(with = "humantime_serde")]
+    pub cpu_work: Duration,
+    pub mode: Mode,
+}
+
+impl Default for Behaviour {
+    fn default() -> Self {
+        Self {
+            latency: Duration::from_millis(20),
+            jitter: Duration::ZERO,
+            error_rate: 0.0,
+            body_bytes: 512,
+            cpu_work: Duration::ZERO,
+            mode: Mode::Normal,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    Normal,
+    /// Never answers.
+    Hang,
+    /// Closes the connection without an answer.
+    Reset,
+    /// Answers 200 with a body that is not JSON.
+    InvalidJson,
+    /// Answers 404.
+    NotFound,
+}
+
+/// One call as the simulator saw it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Seen {
+    pub service: String,
+    pub user_id: i64,
+    pub request_id: Option<String>,
+    pub traceparent: Option<String>,
+    pub budget_ms: Option<u64>,
+}
+
+#[derive(Debug, Default, Serialize, Clone)]
+pub struct ServiceStats {
+    pub requests: u64,
+    pub in_flight: u64,
+    pub completed: u64,
+    /// Calls whose caller went away before the answer was sent.
+    pub cancelled: u64,
+}
+
+const JOURNAL: usize = 20_000;
+
+#[derive(Default)]
+struct Counters {
+    requests: AtomicU64,
+    in_flight: AtomicU64,
+    completed: AtomicU64,
+    cancelled: AtomicU64,
+}
+
+/// Shared simulator state.
+pub struct Sim {
+    behaviour: Mutex<HashMap<String, Behaviour>>,
+    counters: HashMap<&'static str, Counters>,
+    journal: Mutex<VecDeque<Seen>>,
+}
+
+impl Sim {
+    pub fn new(default: Behaviour) -> Arc<Self> {
+        Arc::new(Self {
+            behaviour: Mutex::new(
+                SERVICES
+                    .iter()
+                    .map(|s| (s.to_string(), default.clone()))
+                    .collect(),
+            ),
+            counters: SERVICES.iter().map(|s| (*s, Counters::default())).collect(),
+            journal: Mutex::new(VecDeque::with_capacity(1024)),
+        })
+    }
+
+    pub fn set(&self, service: &str, behaviour: Behaviour) {
+        self.behaviour
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(service.to_owned(), behaviour);
+    }
+
+    pub fn behaviour(&self, service: &str) -> Option<Behaviour> {
+        self.behaviour
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(service)
+            .cloned()
+    }
+
+    pub fn stats(&self, service: &str) -> ServiceStats {
+        let c = &self.counters[service];
+        ServiceStats {
+            requests: c.requests.load(Ordering::Relaxed),
+            in_flight: c.in_flight.load(Ordering::Relaxed),
+            completed: c.completed.load(Ordering::Relaxed),
+            cancelled: c.cancelled.load(Ordering::Relaxed),
+        }
+    }
+
+    pub fn journal(&self) -> Vec<Seen> {
+        self.journal
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect()
+    }
+
+    fn record(&self, seen: Seen) {
+        let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
+        if j.len() == JOURNAL {
+            j.pop_front();
+        }
+        j.push_back(seen);
+    }
+}
+
+/// Marks a call cancelled unless it completed: the handler future is dropped mid-way when the
+/// caller closes the connection.
+struct CallGuard<'a> {
+    counters: &'a Counters,
+    done: bool,
+}
+
+impl Drop for CallGuard<'_> {
+    fn drop(&mut self) {
+        self.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if self.done {
+            self.counters.completed.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.counters.cancelled.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+pub fn router(sim: Arc<Sim>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/_sim/services/{service}",
+            put(set_behaviour).get(get_behaviour),
+        )
+        .route("/_sim/stats", get(stats))
+        .route("/_sim/journal", get(journal))
+        .route("/{service}/{user_id}", get(serve))
+        .with_state(sim)
+}
+
+async fn serve(
+    State(sim): State<Arc<Sim>>,
+    Path((service, user_id)): Path<(String, i64)>,
+    headers: HeaderMap,
+) -> Response {
+    let Some((name, counters)) = sim.counters.get_key_value(service.as_str()) else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
+    let Some(b) = sim.behaviour(name) else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
+    counters.requests.fetch_add(1, Ordering::Relaxed);
+    counters.in_flight.fetch_add(1, Ordering::Relaxed);
+    let mut guard = CallGuard {
+        counters,
+        done: false,
+    };
+    let header = |n: &str| {
+        headers
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    sim.record(Seen {
+        service: name.to_string(),
+        user_id,
+        request_id: header("x-request-id"),
+        traceparent: header("traceparent"),
+        budget_ms: header("x-request-budget-ms").and_then(|v| v.parse().ok()),
+    });
+
+    let delay = {
+        let mut rng = rand::rng();
+        let jitter = b.jitter.as_secs_f64();
+        let offset = if jitter > 0.0 {
+            rng.random_range(-jitter..=jitter)
+        } else {
+            0.0
+        };
+        Duration::from_secs_f64((b.latency.as_secs_f64() + offset).max(0.0))
+    };
+    let fail = b.error_rate > 0.0 && rand::rng().random_bool(b.error_rate.min(1.0));
+    match b.mode {
+        Mode::Hang => std::future::pending::<()>().await,
+        Mode::Reset => {
+            // Dropping the connection from inside a handler: panic is the one way axum lets a
+            // handler abort the response; hyper then closes the connection.
+            guard.done = true;
+            drop(guard);
+            return reset_connection();
+        }
+        _ => {}
+    }
+    tokio::time::sleep(delay).await;
+    if !b.cpu_work.is_zero() {
+        let work = b.cpu_work;
+        let _ = tokio::task::spawn_blocking(move || burn(work)).await;
+    }
+    guard.done = true;
+    if fail {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "simulated failure").into_response();
+    }
+    match b.mode {
+        Mode::InvalidJson => (StatusCode::OK, "{not json").into_response(),
+        Mode::NotFound => StatusCode::NOT_FOUND.into_response(),
+        _ => (
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body(name, user_id, b.body_bytes),
+        )
+            .into_response(),
+    }
+}
+
+/// A response whose body errors mid-stream makes hyper abort the connection: the closest an
+/// HTTP server gets to a TCP reset from inside a handler.
+fn reset_connection() -> Response {
+    let stream = futures::stream::once(async {
+        Err::<bytes::Bytes, std::io::Error>(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "simulated reset",
+        ))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-length", "100")
+        .body(axum::body::Body::from_stream(stream))
+        .expect("static response")
+}
+
+fn burn(d: Duration) {
+    let end = std::time::Instant::now() + d;
+    let mut x = 0u64;
+    while std::time::Instant::now() < end {
+        x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+    }
+}
+
+fn body(service: &str, user_id: i64, size: usize) -> String {
+    let mut out = format!(r#"{{"service":"{service}","user_id":{user_id},"data":""#);
+    let pad = size.saturating_sub(out.len() + 2);
+    out.extend(std::iter::repeat_n('x', pad));
+    out.push_str("\"}");
+    out
+}
+
+async fn set_behaviour(
+    State(sim): State<Arc<Sim>>,
+    Path(service): Path<String>,
+    Json(b): Json<Behaviour>,
+) -> StatusCode {
+    if !SERVICES.contains(&service.as_str()) {
+        return StatusCode::NOT_FOUND;
+    }
+    sim.set(&service, b);
+    StatusCode::NO_CONTENT
+}
+
+async fn get_behaviour(State(sim): State<Arc<Sim>>, Path(service): Path<String>) -> Response {
+    match sim.behaviour(&service) {
+        Some(b) => Json(b).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
+async fn stats(State(sim): State<Arc<Sim>>) -> Json<HashMap<&'static str, ServiceStats>> {
+    Json(SERVICES.iter().map(|s| (*s, sim.stats(s))).collect())
+}
+
+async fn journal(State(sim): State<Arc<Sim>>) -> Json<Vec<Seen>> {
+    Json(sim.journal())
+}
+
+/// A running simulator.
+pub struct SimHandle {
+    pub addr: SocketAddr,
+    pub sim: Arc<Sim>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SimHandle {
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for SimHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Serves the simulator on `addr` (port 0 for an ephemeral port) in a background task.
+pub async fn spawn(addr: SocketAddr, default: Behaviour) -> std::io::Result<SimHandle> {
+    let listener = TcpListener::bind(addr).await?;
+    let addr = listener.local_addr()?;
+    let sim = Sim::new(default);
+    let app = router(Arc::clone(&sim));
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok(SimHandle { addr, sim, task })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_are_json_of_about_the_requested_size() {
+        for size in [0, 64, 512, 4096] {
+            let b = body("carts", 7, size);
+            let v: serde_json::Value = serde_json::from_str(&b).unwrap();
+            assert_eq!(v["user_id"], 7);
+            if size > 64 {
+                assert_eq!(b.len(), size);
+            }
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! Building the application from settings, and serving it until told to stop.
+//!
+//! [`Application::build`] binds its own listener (port 0 in tests) and reports the address, so
+//! tests run the real server exactly as production does. [`Application::run_until_stopped`]
+//! takes the shutdown signal as an argument and owns the connection loop: hyper's HTTP/1
+//! limits (header count, head size, header read timeout) are only reachable there, and so is
+//! an accurate connection cap that answers "503, full" instead of letting the kernel queue
+//! connections unseen.
+
+use std::{
+    future::Future,
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{Router, extract::ConnectInfo};
+use hyper_util::{
+    rt::{TokioExecutor, TokioIo, TokioTimer},
+    server::{conn::auto, graceful::GracefulShutdown},
+    service::TowerToHyperService,
+};
+use tokio::{io::AsyncWriteExt, net::TcpListener, sync::Semaphore};
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
+
+use crate::{
+    admission::Admission,
+    capacity,
+    config::Settings,
+    db::Db,
+    downstream::{Downstreams, build_client},
+    http::{AppState, router},
+    ratelimit::RateLimiter,
+    telemetry::{self, Telemetry},
+};
+
+pub struct Application {
+    listener: TcpListener,
+    router: Router,
+    state: AppState,
+    draining: Arc<AtomicBool>,
+}
+
+impl Application {
+    pub async fn build(settings: Settings) -> anyhow::Result<Self> {
+        Self::build_with(settings, Router::new()).await
+    }
+
+    /// Builds the application with `extra` routes behind the same request layer (tests and
+    /// diagnostics use this seam).
+    pub async fn build_with(settings: Settings, extra: Router<AppState>) -> anyhow::Result<Self> {
+        let settings = Arc::new(settings);
+        let telemetry = Telemetry::new(&settings.telemetry)?;
+        for warning in capacity::check_pool_budget(&settings.database) {
+            tracing::warn!("{warning}");
+        }
+        let db = Db::connect_lazy(&settings.database)?;
+        if settings.database.run_migrations {
+            migrate_with_retry(&db, Duration::from_secs(30)).await?;
+        }
+        let client = build_client(&settings.http_client)?;
+        let downstreams = Arc::new(Downstreams::new(&settings, client));
+        let admission = settings
+            .admission
+            .enabled
+            .then(|| Admission::new(&settings));
+        let rate_limiter = if settings.rate_limit.enabled {
+            Some(Arc::new(RateLimiter::new(&settings.rate_limit).await?))
+        } else {
+            None
+        };
+        let draining = Arc::new(AtomicBool::new(false));
+        let state = AppState {
+            settings: Arc::clone(&settings),
+            db,
+            downstreams,
+            admission,
+            rate_limiter,
+            telemetry,
+            draining: Arc::clone(&draining),
+        };
+        let listener = TcpListener::bind(settings.server.listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", settings.server.listen))?;
+        Ok(Self {
+            router: router(state.clone(), extra),
+            listener,
+            state,
+            draining,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// Serves until `shutdown` resolves, then stops accepting, lets in-flight requests finish
+    /// within `server.drain_timeout`, and closes the database pool.
+    pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let Self {
+            listener,
+            router,
+            state,
+            draining,
+        } = self;
+        let settings = Arc::clone(&state.settings);
+        let server = &settings.server;
+        let samplers = CancellationToken::new();
+        telemetry::spawn_runtime_samplers(Some(state.db.clone()), samplers.clone());
+
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(server.header_read_timeout)
+            .max_headers(server.max_headers)
+            // hyper's read buffer bounds the request head; it cannot go below 8 KiB.
+            .max_buf_size(server.max_header_bytes.max(8192));
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .max_header_list_size(server.max_header_bytes as u32);
+        let graceful = GracefulShutdown::new();
+        let connections = Arc::new(Semaphore::new(server.max_connections));
+        let addr = listener.local_addr()?;
+        tracing::info!(%addr, "listening");
+
+        tokio::pin!(shutdown);
+        loop {
+            let (stream, peer) = tokio::select! {
+                _ = &mut shutdown => break,
+                accepted = listener.accept() => match accepted {
+                    Ok(pair) => pair,
+                    Err(e) => {
+                        // EMFILE and friends: back off instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let _ = stream.set_nodelay(true);
+            let Ok(permit) = Arc::clone(&connections).try_acquire_owned() else {
+                tokio::spawn(refuse_connection(stream));
+                continue;
+            };
+            let service = router.clone().map_request(
+                move |mut req: axum::http::Request<hyper::body::Incoming>| {
+                    req.extensions_mut().insert(ConnectInfo(peer));
+                    req
+                },
+            );
+            let conn = builder
+                .serve_connection_with_upgrades(
+                    TokioIo::new(stream),
+                    TowerToHyperService::new(service),
+                )
+                .into_owned();
+            let conn = graceful.watch(conn);
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, %peer, "connection ended with an error");
+                }
+                drop(permit);
+            });
+        }
+
+        draining.store(true, Ordering::Relaxed);
+        drop(listener);
+        tracing::info!(drain_timeout = ?server.drain_timeout, "shutting down: draining in-flight requests");
+        match tokio::time::timeout(server.drain_timeout, graceful.shutdown()).await {
+            Ok(()) => tracing::info!("all connections drained"),
+            Err(_) => tracing::warn!("drain timeout elapsed; closing remaining connections"),
+        }
+        samplers.cancel();
+        state.db.close().await;
+        Ok(())
+    }
+}
+
+/// Over the connection cap: a short, explicit answer instead of an unanswered SYN.
+async fn refuse_connection(mut stream: tokio::net::TcpStream) {
+    const BODY: &str = r#"{"type":"/problems/unavailable","title":"Service Unavailable","status":503,"detail":"the gateway is at its connection limit; retry later"}"#;
+    let response = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{BODY}",
+        BODY.len()
+    );
+    let _ = tokio::time::timeout(
+        Duration::from_secs(1),
+        stream.write_all(response.as_bytes()),
+    )
+    .await;
+    let _ = stream.shutdown().await;
+}
+
+/// At start-up the database may still be coming up (compose, Kubernetes): retry for a
+/// bounded time, then fail with the real cause.
+async fn migrate_with_retry(db: &Db, patience: Duration) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + patience;
+    let mut delay = Duration::from_millis(200);
+    loop {
+        match db.migrate().await {
+            Ok(()) => return Ok(()),
+            Err(e) if tokio::time::Instant::now() + delay < deadline => {
+                tracing::warn!(error = %e, "migrations failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(3));
+            }
+            Err(e) => return Err(e.context("running database migrations")),
+        }
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => tracing::info!("SIGINT received"),
+        _ = terminate => tracing::info!("SIGTERM received"),
+    }
+}

@@ -1,0 +1,753 @@
+//! Logs, traces, metrics and the async runtime's own health.
+//!
+//! The Java teams in the field reports watched active virtual threads, pinned-carrier events,
+//! carrier utilisation, semaphore queues and pool waiters. The async-Rust equivalents live here:
+//! - per-worker busy ratio (carrier utilisation), poll counts, alive tasks, queue depths and the
+//!   blocking pool, sampled from the runtime's own metrics once a second;
+//! - scheduling lag, measured by a heartbeat task that asks to wake every 100 ms and records
+//!   how late it actually ran (a saturated or blocked runtime wakes it late);
+//! - long polls: [`PollTimer`] times every poll of a request's future, and a poll that holds a
+//!   worker longer than `telemetry.long_poll_threshold` — a blocking call, a lock held around
+//!   slow work, a CPU-heavy loop — is counted and logged *inside the request's span*, so the
+//!   offending route and request can be found (the analogue of `-Djdk.tracePinnedThreads`).
+//!
+//! Metrics go through the `metrics` facade into a Prometheus recorder rendered by our own
+//! `/metrics` route; with `telemetry.metrics_enabled = false` no recorder is installed and every
+//! instrument is a no-op, which is how the benchmark lab measures instrumentation cost.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::{Arc, OnceLock},
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use axum::http::HeaderMap;
+use metrics::{Counter, Gauge, Unit, describe_counter, describe_gauge, describe_histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio::time::Instant;
+use tracing_subscriber::{EnvFilter, layer::SubscriberExt, util::SubscriberInitExt};
+
+use crate::{
+    config::{LogFormat, TelemetrySettings},
+    context::TraceIds,
+};
+
+/// Latency buckets that resolve both 1 ms and 1 s.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// The installed Prometheus recorder: the `metrics` facade has one global recorder per process.
+static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Process-wide flag: whether spans are exported through OpenTelemetry.
+static OTEL_ACTIVE: OnceLock<bool> = OnceLock::new();
+
+/// Keeps the trace pipeline alive; flushes pending spans when dropped.
+pub struct TracingGuard {
+    #[cfg(feature = "otel")]
+    provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+}
+
+impl Drop for TracingGuard {
+    fn drop(&mut self) {
+        #[cfg(feature = "otel")]
+        if let Some(provider) = self.provider.take() {
+            let _ = provider.shutdown();
+        }
+    }
+}
+
+/// Installs the global `tracing` subscriber: JSON or human-readable logs, the filter, and the
+/// OpenTelemetry layer when an OTLP endpoint is configured. Call once, early in `main`.
+pub fn init_tracing(settings: &TelemetrySettings) -> anyhow::Result<TracingGuard> {
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(&settings.log_level))
+        .map_err(|e| anyhow::anyhow!("telemetry.log_level is not a valid filter: {e}"))?;
+    let (json, pretty) = match settings.log_format {
+        LogFormat::Json => (
+            Some(
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .flatten_event(true)
+                    .with_current_span(true)
+                    .with_span_list(false),
+            ),
+            None,
+        ),
+        LogFormat::Pretty => (None, Some(tracing_subscriber::fmt::layer().compact())),
+    };
+    #[cfg(feature = "otel")]
+    let (otel_layer, provider) = match &settings.otlp_endpoint {
+        Some(endpoint) => {
+            let (layer, provider) = otel::layer(settings, endpoint)?;
+            (Some(layer), Some(provider))
+        }
+        None => (None, None),
+    };
+    #[cfg(feature = "otel")]
+    let _ = OTEL_ACTIVE.set(provider.is_some());
+    #[cfg(not(feature = "otel"))]
+    let _ = OTEL_ACTIVE.set(false);
+
+    let registry = tracing_subscriber::registry()
+        .with(filter)
+        .with(json)
+        .with(pretty);
+    #[cfg(feature = "otel")]
+    let registry = registry.with(otel_layer);
+    registry
+        .try_init()
+        .map_err(|e| anyhow::anyhow!("a tracing subscriber is already installed: {e}"))?;
+    Ok(TracingGuard {
+        #[cfg(feature = "otel")]
+        provider,
+    })
+}
+
+fn otel_active() -> bool {
+    OTEL_ACTIVE.get().copied().unwrap_or(false)
+}
+
+/// A parsed W3C `traceparent`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceParent {
+    pub trace_id: String,
+    pub parent_id: String,
+    pub sampled: bool,
+}
+
+/// Parses `traceparent` (version 00), rejecting malformed or all-zero ids as the spec requires.
+pub fn parse_traceparent(headers: &HeaderMap) -> Option<TraceParent> {
+    let v = headers.get("traceparent")?.to_str().ok()?;
+    let mut parts = v.trim().split('-');
+    let (version, trace_id, parent_id, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+            && s.bytes().any(|b| b != b'0')
+    };
+    if version != "00" || parts.next().is_some() || !hex(trace_id, 32) || !hex(parent_id, 16) {
+        return None;
+    }
+    let flags = u8::from_str_radix(flags, 16).ok()?;
+    Some(TraceParent {
+        trace_id: trace_id.to_owned(),
+        parent_id: parent_id.to_owned(),
+        sampled: flags & 1 == 1,
+    })
+}
+
+fn random_hex(bytes: usize) -> String {
+    use rand::RngCore;
+    let mut buf = [0u8; 16];
+    rand::rng().fill_bytes(&mut buf[..bytes]);
+    hex::encode(&buf[..bytes])
+}
+
+/// The `traceparent` for an outgoing call made now: the current span's ids when spans are
+/// exported (so the callee's spans hang under this call's span), the request's otherwise.
+pub fn outgoing_traceparent() -> Option<String> {
+    #[cfg(feature = "otel")]
+    if otel_active() {
+        if let Some(tp) = otel::current_traceparent() {
+            return Some(tp);
+        }
+    }
+    crate::context::current().map(|c| c.traceparent())
+}
+
+/// Instruments shared by every request, created once.
+pub struct Telemetry {
+    settings: TelemetrySettings,
+    handle: Option<PrometheusHandle>,
+    active: Gauge,
+    long_polls: Counter,
+}
+
+impl Telemetry {
+    /// Installs the Prometheus recorder (once per process) and describes every metric.
+    pub fn new(settings: &TelemetrySettings) -> anyhow::Result<Arc<Self>> {
+        let handle = if settings.metrics_enabled {
+            Some(install_recorder()?)
+        } else {
+            None
+        };
+        Ok(Arc::new(Self {
+            settings: settings.clone(),
+            handle,
+            active: metrics::gauge!("http_server_active_requests"),
+            long_polls: metrics::counter!("tributary_runtime_long_polls_total"),
+        }))
+    }
+
+    pub fn render_metrics(&self) -> Option<String> {
+        self.handle.as_ref().map(PrometheusHandle::render)
+    }
+
+    /// Counts a request as active until the guard is dropped.
+    pub fn active_request(&self) -> ActiveGuard<'_> {
+        self.active.increment(1.0);
+        ActiveGuard(&self.active)
+    }
+
+    /// RED metrics by route template.
+    pub fn record_request(&self, route: &str, method: &str, status: u16, elapsed: Duration) {
+        if self.handle.is_none() {
+            return;
+        }
+        let class = match status {
+            100..=199 => "1xx",
+            200..=299 => "2xx",
+            300..=399 => "3xx",
+            400..=499 => "4xx",
+            _ => "5xx",
+        };
+        let route = route.to_owned();
+        let method = method.to_owned();
+        metrics::histogram!(
+            "http_server_request_duration_seconds",
+            "http_route" => route.clone(),
+            "http_request_method" => method.clone(),
+            "http_response_status_code" => status.to_string()
+        )
+        .record(elapsed.as_secs_f64());
+        metrics::counter!(
+            "tributary_http_requests_total",
+            "http_route" => route,
+            "http_request_method" => method,
+            "status_class" => class
+        )
+        .increment(1);
+    }
+
+    /// Links `span` to the caller's trace (if any) and returns the ids this request uses in
+    /// logs and outgoing `traceparent` headers.
+    pub fn attach_trace(
+        &self,
+        span: &tracing::Span,
+        incoming: Option<&TraceParent>,
+        headers: &HeaderMap,
+    ) -> TraceIds {
+        #[cfg(feature = "otel")]
+        if otel_active() {
+            if let Some(ids) = otel::attach(span, headers) {
+                return ids;
+            }
+        }
+        let _ = (span, headers);
+        TraceIds {
+            trace_id: incoming.map_or_else(|| random_hex(16), |t| t.trace_id.clone()),
+            span_id: random_hex(8),
+            sampled: incoming.is_none_or(|t| t.sampled),
+        }
+    }
+
+    fn long_poll(&self, took: Duration) {
+        self.long_polls.increment(1);
+        tracing::warn!(
+            poll_ms = took.as_secs_f64() * 1000.0,
+            threshold_ms = self.settings.long_poll_threshold.as_secs_f64() * 1000.0,
+            "long poll: a task held a worker thread; look for blocking calls or CPU work on the async path"
+        );
+    }
+}
+
+pub struct ActiveGuard<'a>(&'a Gauge);
+
+impl Drop for ActiveGuard<'_> {
+    fn drop(&mut self) {
+        self.0.decrement(1.0);
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// Times each poll of the inner future; a poll longer than the threshold is a worker thread
+    /// held hostage, and is reported from inside the request's span.
+    pub struct PollTimer<'a, F> {
+        #[pin]
+        inner: F,
+        telemetry: &'a Telemetry,
+    }
+}
+
+impl<'a, F> PollTimer<'a, F> {
+    pub fn new(inner: F, telemetry: &'a Telemetry) -> Self {
+        Self { inner, telemetry }
+    }
+}
+
+impl<F: Future> Future for PollTimer<'_, F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        let started = std::time::Instant::now();
+        let result = this.inner.poll(cx);
+        let took = started.elapsed();
+        if took >= this.telemetry.settings.long_poll_threshold {
+            this.telemetry.long_poll(took);
+        }
+        result
+    }
+}
+
+fn install_recorder() -> anyhow::Result<PrometheusHandle> {
+    if let Some(h) = PROMETHEUS.get() {
+        return Ok(h.clone());
+    }
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)?
+        .install_recorder()?;
+    let handle = PROMETHEUS.get_or_init(|| handle).clone();
+    describe_all();
+    // Histograms are kept as buckets here, so upkeep only drains internal buffers.
+    let upkeep = handle.clone();
+    std::thread::Builder::new()
+        .name("metrics-upkeep".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_secs(5));
+                upkeep.run_upkeep();
+            }
+        })?;
+    std::thread::Builder::new()
+        .name("process-metrics".into())
+        .spawn(process::sample_forever)?;
+    let version = env!("CARGO_PKG_VERSION");
+    let revision = option_env!("TRIBUTARY_GIT_REVISION").unwrap_or("unknown");
+    metrics::gauge!("tributary_build_info", "version" => version, "revision" => revision).set(1.0);
+    Ok(handle)
+}
+
+fn describe_all() {
+    describe_histogram!(
+        "http_server_request_duration_seconds",
+        Unit::Seconds,
+        "Duration of HTTP server requests, by route template, method and status code."
+    );
+    describe_counter!(
+        "tributary_http_requests_total",
+        "HTTP requests served, by route template, method and status class."
+    );
+    describe_gauge!(
+        "http_server_active_requests",
+        "HTTP requests currently being served."
+    );
+    describe_gauge!(
+        "tributary_admission_permits_in_use",
+        "Admission permits held by in-flight requests, per route group."
+    );
+    describe_gauge!(
+        "tributary_admission_limit",
+        "Current admission limit per route group (static, or the adaptive limit)."
+    );
+    describe_histogram!(
+        "tributary_admission_wait_seconds",
+        Unit::Seconds,
+        "Time requests waited for an admission permit."
+    );
+    describe_counter!(
+        "tributary_admission_rejections_total",
+        "Requests rejected with 503 by admission control, by group and reason."
+    );
+    describe_gauge!(
+        "tributary_admission_shedding",
+        "1 while admission has been shedding heavily (readiness is false), else 0."
+    );
+    describe_counter!(
+        "tributary_ratelimit_rejections_total",
+        "Requests rejected with 429 by per-client rate limiting, by backend."
+    );
+    describe_counter!(
+        "tributary_ratelimit_redis_fallbacks_total",
+        "Rate-limit decisions that fell back to the local limiter because Redis was slow or down."
+    );
+    describe_histogram!(
+        "tributary_downstream_request_duration_seconds",
+        Unit::Seconds,
+        "Duration of downstream calls, by service and outcome."
+    );
+    describe_counter!(
+        "tributary_downstream_requests_total",
+        "Downstream calls by service and outcome (ok, error, timeout, shed, circuit_open, budget_exhausted)."
+    );
+    describe_gauge!(
+        "tributary_downstream_in_flight",
+        "Downstream calls in flight per service (bulkhead occupancy)."
+    );
+    describe_gauge!(
+        "tributary_downstream_circuit_state",
+        "Circuit breaker state per service: 0 closed, 1 half-open, 2 open."
+    );
+    describe_counter!(
+        "tributary_downstream_retries_total",
+        "Retried downstream calls per service."
+    );
+    describe_counter!(
+        "tributary_downstream_hedges_total",
+        "Hedged second requests sent per service."
+    );
+    describe_gauge!(
+        "tributary_db_pool_connections",
+        "Database pool connections by state (idle, in_use)."
+    );
+    describe_gauge!(
+        "tributary_db_pool_max_connections",
+        "Configured maximum size of the database pool."
+    );
+    describe_gauge!(
+        "tributary_db_pool_waiters",
+        "Tasks currently waiting to acquire a database connection."
+    );
+    describe_histogram!(
+        "tributary_db_pool_acquire_wait_seconds",
+        Unit::Seconds,
+        "Time spent waiting for a pooled database connection (acquires that reused one)."
+    );
+    describe_histogram!(
+        "tributary_db_pool_connect_duration_seconds",
+        Unit::Seconds,
+        "Time of acquires that had to open a new database connection."
+    );
+    describe_counter!(
+        "tributary_db_pool_acquire_timeouts_total",
+        "Acquires that gave up waiting for a database connection."
+    );
+    describe_histogram!(
+        "tributary_db_query_duration_seconds",
+        Unit::Seconds,
+        "Database statement latency by statement name."
+    );
+    describe_counter!(
+        "tributary_fanout_critical_path_total",
+        "Dashboard requests by the part that was slowest (the critical path)."
+    );
+    describe_histogram!(
+        "tributary_fanout_gateway_overhead_seconds",
+        Unit::Seconds,
+        "Request time minus the slowest part: the gateway's own overhead."
+    );
+    describe_counter!(
+        "tributary_fanout_degraded_total",
+        "Optional dashboard parts returned as null, by part and reason."
+    );
+    describe_gauge!("tributary_runtime_workers", "Tokio worker threads.");
+    describe_gauge!(
+        "tributary_runtime_worker_busy_ratio",
+        "Share of the last sampling interval each worker spent busy (carrier utilisation)."
+    );
+    describe_counter!(
+        "tributary_runtime_polls_total",
+        "Task polls across all workers."
+    );
+    describe_counter!(
+        "tributary_runtime_long_polls_total",
+        "Polls of request futures that held a worker longer than telemetry.long_poll_threshold."
+    );
+    describe_gauge!(
+        "tributary_runtime_blocking_threads",
+        "Threads in the blocking pool."
+    );
+    describe_gauge!(
+        "tributary_runtime_blocking_queue_depth",
+        "Tasks queued for the blocking pool."
+    );
+    describe_gauge!(
+        "tributary_runtime_alive_tasks",
+        "Tasks alive in the runtime."
+    );
+    describe_gauge!(
+        "tributary_runtime_global_queue_depth",
+        "Tasks waiting in the runtime's global (injection) queue."
+    );
+    describe_histogram!(
+        "tributary_runtime_scheduling_lag_seconds",
+        Unit::Seconds,
+        "How late a 100 ms heartbeat timer task actually ran."
+    );
+    describe_gauge!(
+        "tributary_build_info",
+        "Build information: version and git revision."
+    );
+    describe_gauge!(
+        "process_resident_memory_bytes",
+        Unit::Bytes,
+        "Resident memory size in bytes."
+    );
+    describe_counter!(
+        "process_cpu_seconds_total",
+        Unit::Seconds,
+        "Total user and system CPU time spent in seconds."
+    );
+    describe_gauge!("process_open_fds", "Number of open file descriptors.");
+    describe_gauge!(
+        "process_max_fds",
+        "Maximum number of open file descriptors."
+    );
+    describe_gauge!(
+        "process_start_time_seconds",
+        Unit::Seconds,
+        "Start time of the process since unix epoch in seconds."
+    );
+}
+
+/// Starts the once-a-second samplers of the current runtime and, if given, the pool gauges.
+/// They stop when `shutdown` resolves.
+pub fn spawn_runtime_samplers(
+    db: Option<crate::db::Db>,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    let heartbeat_stop = shutdown.clone();
+    tokio::spawn(async move {
+        let lag = metrics::histogram!("tributary_runtime_scheduling_lag_seconds");
+        let period = Duration::from_millis(100);
+        loop {
+            let expected = Instant::now() + period;
+            tokio::select! {
+                _ = heartbeat_stop.cancelled() => return,
+                _ = tokio::time::sleep_until(expected) => {}
+            }
+            lag.record(
+                Instant::now()
+                    .saturating_duration_since(expected)
+                    .as_secs_f64(),
+            );
+        }
+    });
+    tokio::spawn(async move {
+        let handle = tokio::runtime::Handle::current();
+        let rt = handle.metrics();
+        let workers = rt.num_workers();
+        let busy_gauges: Vec<Gauge> = (0..workers)
+            .map(|w| metrics::gauge!("tributary_runtime_worker_busy_ratio", "worker" => w.to_string()))
+            .collect();
+        let polls: Counter = metrics::counter!("tributary_runtime_polls_total");
+        let workers_gauge = metrics::gauge!("tributary_runtime_workers");
+        let alive = metrics::gauge!("tributary_runtime_alive_tasks");
+        let global = metrics::gauge!("tributary_runtime_global_queue_depth");
+        let blocking = metrics::gauge!("tributary_runtime_blocking_threads");
+        let blocking_queue = metrics::gauge!("tributary_runtime_blocking_queue_depth");
+        let mut last_busy: Vec<Duration> = (0..workers)
+            .map(|w| rt.worker_total_busy_duration(w))
+            .collect();
+        let mut last_polls: u64 = (0..workers).map(|w| rt.worker_poll_count(w)).sum();
+        let mut last = Instant::now();
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let elapsed = last.elapsed().as_secs_f64().max(1e-3);
+            last = Instant::now();
+            workers_gauge.set(workers as f64);
+            for (w, gauge) in busy_gauges.iter().enumerate() {
+                let busy = rt.worker_total_busy_duration(w);
+                let delta = busy.saturating_sub(last_busy[w]).as_secs_f64();
+                last_busy[w] = busy;
+                gauge.set((delta / elapsed).min(1.0));
+            }
+            let total_polls: u64 = (0..workers).map(|w| rt.worker_poll_count(w)).sum();
+            polls.increment(total_polls.saturating_sub(last_polls));
+            last_polls = total_polls;
+            alive.set(rt.num_alive_tasks() as f64);
+            global.set(rt.global_queue_depth() as f64);
+            blocking.set(rt.num_blocking_threads() as f64);
+            blocking_queue.set(rt.blocking_queue_depth() as f64);
+            if let Some(db) = &db {
+                db.record_pool_gauges();
+            }
+        }
+    });
+}
+
+/// Process metrics read from `/proc` on a plain thread (file reads never touch a worker).
+mod process {
+    use std::time::Duration;
+
+    pub fn sample_forever() {
+        let rss = metrics::gauge!("process_resident_memory_bytes");
+        let cpu = metrics::counter!("process_cpu_seconds_total");
+        let fds = metrics::gauge!("process_open_fds");
+        let max_fds = metrics::gauge!("process_max_fds");
+        let start = metrics::gauge!("process_start_time_seconds");
+        let ticks = 100.0; // USER_HZ on Linux
+        let page = 4096.0;
+        let boot = boot_time();
+        loop {
+            if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
+                // Fields after the command name, which is in parentheses and may contain spaces.
+                if let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) {
+                    let f: Vec<&str> = rest.split_whitespace().collect();
+                    let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+                    // rest starts at field 3 (state): utime=14, stime=15, starttime=22, rss=24.
+                    // A Prometheus counter through the `metrics` facade is an integer: whole
+                    // CPU seconds, which is what rate() over minutes needs.
+                    let total_ticks = num(11) + num(12);
+                    cpu.absolute((total_ticks as f64 / ticks) as u64);
+                    rss.set(num(21) as f64 * page);
+                    if let Some(boot) = boot {
+                        start.set(boot + num(19) as f64 / ticks);
+                    }
+                }
+            }
+            if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+                fds.set(dir.count() as f64);
+            }
+            if let Ok(limits) = std::fs::read_to_string("/proc/self/limits")
+                && let Some(line) = limits.lines().find(|l| l.starts_with("Max open files"))
+                && let Some(v) = line
+                    .split_whitespace()
+                    .nth(3)
+                    .and_then(|v| v.parse::<f64>().ok())
+            {
+                max_fds.set(v);
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+
+    fn boot_time() -> Option<f64> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let btime = stat.lines().find_map(|l| l.strip_prefix("btime "))?;
+        btime.trim().parse().ok()
+    }
+}
+
+#[cfg(feature = "otel")]
+mod otel {
+    use axum::http::HeaderMap;
+    use opentelemetry::{
+        propagation::{Extractor, TextMapPropagator},
+        trace::{TraceContextExt, TracerProvider as _},
+    };
+    use opentelemetry_otlp::{Protocol, WithExportConfig};
+    use opentelemetry_sdk::{
+        Resource,
+        propagation::TraceContextPropagator,
+        trace::{BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider},
+    };
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+    use crate::{config::TelemetrySettings, context::TraceIds};
+
+    pub fn layer<S>(
+        settings: &TelemetrySettings,
+        endpoint: &str,
+    ) -> anyhow::Result<(
+        tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>,
+        SdkTracerProvider,
+    )>
+    where
+        S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
+    {
+        let endpoint = endpoint.trim_end_matches('/');
+        let url = if endpoint.ends_with("/v1/traces") {
+            endpoint.to_owned()
+        } else {
+            format!("{endpoint}/v1/traces")
+        };
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(Protocol::HttpBinary)
+            .with_endpoint(url)
+            .build()?;
+        let processor = BatchSpanProcessor::builder(exporter)
+            .with_batch_config(
+                BatchConfigBuilder::default()
+                    .with_scheduled_delay(std::time::Duration::from_millis(500))
+                    .with_max_queue_size(8192)
+                    .build(),
+            )
+            .build();
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(processor)
+            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+                settings.sampling_ratio,
+            ))))
+            .with_resource(
+                Resource::builder()
+                    .with_service_name(settings.service_name.clone())
+                    .build(),
+            )
+            .build();
+        let tracer = provider.tracer("tributary");
+        Ok((
+            tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_error_records_to_exceptions(true),
+            provider,
+        ))
+    }
+
+    struct Headers<'a>(&'a HeaderMap);
+
+    impl Extractor for Headers<'_> {
+        fn get(&self, key: &str) -> Option<&str> {
+            self.0.get(key).and_then(|v| v.to_str().ok())
+        }
+        fn keys(&self) -> Vec<&str> {
+            self.0.keys().map(|k| k.as_str()).collect()
+        }
+    }
+
+    /// Parents `span` on the incoming W3C context and reads back its ids.
+    pub fn attach(span: &tracing::Span, headers: &HeaderMap) -> Option<TraceIds> {
+        let parent = TraceContextPropagator::new().extract(&Headers(headers));
+        let _ = span.set_parent(parent);
+        let cx = span.context();
+        let sc = cx.span().span_context().clone();
+        sc.is_valid().then(|| TraceIds {
+            trace_id: sc.trace_id().to_string(),
+            span_id: sc.span_id().to_string(),
+            sampled: sc.is_sampled(),
+        })
+    }
+
+    pub fn current_traceparent() -> Option<String> {
+        let cx = tracing::Span::current().context();
+        let sc = cx.span().span_context().clone();
+        sc.is_valid().then(|| {
+            format!(
+                "00-{}-{}-{}",
+                sc.trace_id(),
+                sc.span_id(),
+                if sc.is_sampled() { "01" } else { "00" }
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(tp: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert("traceparent", tp.parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn traceparent_parsing_follows_the_spec() {
+        let ok = parse_traceparent(&headers(
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ))
+        .unwrap();
+        assert_eq!(ok.trace_id, "0af7651916cd43dd8448eb211c80319c");
+        assert!(ok.sampled);
+        for bad in [
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",
+        ] {
+            assert!(parse_traceparent(&headers(bad)).is_none(), "{bad}");
+        }
+    }
+}
