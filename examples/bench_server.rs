@@ -175,13 +175,13 @@ struct Calibration {
 impl Calibration {
     fn measure(config: &Config) -> anyhow::Result<Self> {
         let probe_iterations = 2_000;
-        let per_iteration = fastest_of(5, || {
+        let per_iteration = median_of(7, || {
             std::hint::black_box(sha256_chain(probe_iterations));
         }) / probe_iterations;
         let sha256_iterations =
             u32::try_from((config.cpu.as_nanos() / per_iteration.as_nanos().max(1)).max(1))
                 .context("SHA-256 iteration count overflows u32")?;
-        let sha256_ms = millis(fastest_of(3, || {
+        let sha256_ms = millis(median_of(5, || {
             std::hint::black_box(sha256_chain(sha256_iterations));
         }));
 
@@ -192,7 +192,7 @@ impl Calibration {
             .parse_and_mask(&probe_document)
             .context("the generated document must parse")?;
         // Results are checked above; the timed runs only need the work done.
-        let probe_cost = fastest_of(5, || {
+        let probe_cost = median_of(7, || {
             let _ = std::hint::black_box(masker.parse_and_mask(&probe_document));
         });
         let records = usize::try_from(
@@ -201,7 +201,7 @@ impl Calibration {
         .context("document size overflows usize")?
         .max(1);
         let document: Arc<[u8]> = json_document(records).into();
-        let mixed_cpu_ms = millis(fastest_of(3, || {
+        let mixed_cpu_ms = millis(median_of(5, || {
             let _ = std::hint::black_box(masker.parse_and_mask(&document));
         }));
 
@@ -221,16 +221,18 @@ impl Calibration {
     }
 }
 
-/// The fastest of `runs` timings: the least disturbed estimate of a CPU cost.
-fn fastest_of(runs: u32, mut work: impl FnMut()) -> Duration {
-    (0..runs)
+/// The median of `runs` timings: the typical cost, as a request will see it (the minimum would
+/// describe a run with hot caches and no interruption, which loaded requests rarely get).
+fn median_of(runs: u32, mut work: impl FnMut()) -> Duration {
+    let mut timings: Vec<Duration> = (0..runs)
         .map(|_| {
             let start = Instant::now();
             work();
             start.elapsed()
         })
-        .min()
-        .unwrap_or_default()
+        .collect();
+    timings.sort_unstable();
+    timings.get(timings.len() / 2).copied().unwrap_or_default()
 }
 
 fn millis(duration: Duration) -> f64 {

@@ -131,3 +131,19 @@ bench_report() {
     python3 "$BENCH_DIR/lib/report.py" summary "$RESULTS_ROOT" >/dev/null
   fi
 }
+
+# bench_server_run VARIANT PATH CONNECTIONS REP LIMIT_RPS LIMIT_BASIS DURATION WARMUP [ENV=VALUE...]
+# One measured run against a fresh bench_server (fresh so that peak RSS belongs to this run),
+# with a paced /light probe running beside the main load.
+bench_server_run() {
+  local variant="$1" path="$2" conns="$3" rep="$4" limit="$5" basis="$6" duration="$7" warmup="$8"
+  shift 8
+  bench_start_bench_server "$@"
+  local base="http://127.0.0.1:$BENCH_SERVER_PORT"
+  bench_measure --out "$OUT_DIR/runs/${variant}-c${conns}-r${rep}.json" --scenario "$SCENARIO" \
+    --variant "$variant" --repetition "$rep" --url "$base$path" --connections "$conns" \
+    --duration "$duration" --warmup "$warmup" --probe-url "$base/light" --probe-connections 4 \
+    --server-pid "$SERVER_PID" --server-name bench_server --info-url "$base/info" \
+    --limit-rps "$limit" --limit-basis "$basis" --meta "server_env=$*"
+  bench_stop "$SERVER_PID"
+}

@@ -225,6 +225,7 @@ def main() -> None:
     ap.add_argument("--proc", action="append", help="NAME=PID of another process to account")
     ap.add_argument("--proc-comm", action="append", help="NAME=COMM: sum every process with that comm")
     ap.add_argument("--metrics-url")
+    ap.add_argument("--info-url", help="a JSON endpoint describing the server (bench_server's /info)")
     ap.add_argument("--limit-rps", type=float, required=True, help="the scenario's physical limit")
     ap.add_argument("--limit-basis", required=True, help="how the limit was computed")
     ap.add_argument("--meta", action="append", help="KEY=VALUE recorded under config")
@@ -241,6 +242,7 @@ def main() -> None:
     comms = parse_kv(args.proc_comm)
     load_before = load_average()
     builds = busy_builds()
+    info = scrape(args.info_url)
     metrics_before = scrape(args.metrics_url)
     cpu_before = {name: proc_cpu_seconds(pid) for name, pid in procs.items()}
     comm_before = {name: comm_cpu_seconds(comm) for name, comm in comms.items()}
@@ -323,6 +325,7 @@ def main() -> None:
             **parse_kv(args.meta),
         },
         **result,
+        "server_info": json.loads(info) if info else None,
         "limit": {"rps": limit, "basis": args.limit_basis},
         "efficiency": round(result["ok_rps"] / limit, 3) if limit else None,
         "server": {
