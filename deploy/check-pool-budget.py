@@ -1,26 +1,25 @@
 #!/usr/bin/env python3
 """Checks the Postgres connection budget of the Kubernetes fleet and of the compose stack.
 
-Kubernetes (from the kustomize-rendered manifests):
+The numbers are the gateway's own configuration keys (the ones its start-up check reads), so there is
+one source of truth per deployment:
 
-    pool x (HPA maxReplicas + Deployment maxSurge) <= postgres max_connections - reserve
+    pool x pods <= server_max_connections - reserved_connections
 
-  pool             TRIBUTARY_DATABASE__MAX_CONNECTIONS in the gateway container's environment
-                   (the generated ConfigMap tributary-config)
-  maxReplicas      the HPA whose scaleTargetRef is the Deployment
-  maxSurge         the Deployment's rollingUpdate.maxSurge: during a rollout at maxReplicas the
-                   surge pods hold their own pools (a percentage is resolved against maxReplicas,
-                   rounded up, as the Deployment controller does)
-  max_connections  Deployment annotation tributary/postgres-max-connections
-  reserve          Deployment annotation tributary/postgres-reserved-connections
-                   (superuser_reserved_connections, migrations, admin and monitoring sessions)
+Kubernetes (from the kustomize-rendered manifests; the gateway container's effective environment,
+i.e. the generated ConfigMap tributary-config):
+  pool                    TRIBUTARY_DATABASE__MAX_CONNECTIONS
+  pods                    HPA maxReplicas + Deployment rollingUpdate.maxSurge (during a rollout at
+                          maxReplicas the surge pods hold pools too; a percentage is resolved against
+                          maxReplicas and rounded up, as the Deployment controller does)
+  server_max_connections  TRIBUTARY_DATABASE__SERVER_MAX_CONNECTIONS (the Postgres max_connections)
+  reserved_connections    TRIBUTARY_DATABASE__RESERVED_CONNECTIONS (superuser_reserved_connections,
+                          migrations, admin and monitoring sessions)
+  and TRIBUTARY_DATABASE__MAX_REPLICAS >= pods, so the gateway's own start-up check covers the fleet.
 
 Compose (docker-compose.yml, with --compose):
-
-    sum of pools of the services with a DATABASE_URL <= postgres max_connections - reserve
-
-  max_connections  the `-c max_connections=N` in the postgres service's command
-  reserve          the top-level extension field x-postgres-reserved-connections
+  the postgres service's `-c max_connections=N` equals the gateway's SERVER_MAX_CONNECTIONS, and the
+  pools of every service with a DATABASE_URL fit in N - RESERVED_CONNECTIONS.
 
 Usage: check-pool-budget.py [--rendered FILE|-] [--compose docker-compose.yml]
 Without --rendered it renders k8s/ with `kubectl kustomize`. Exits 1 when an inequality fails or a
@@ -41,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import manifests  # noqa: E402
 
 POOL_KEY = "TRIBUTARY_DATABASE__MAX_CONNECTIONS"
-ANN_MAX = "tributary/postgres-max-connections"
-ANN_RESERVE = "tributary/postgres-reserved-connections"
+SERVER_MAX_KEY = "TRIBUTARY_DATABASE__SERVER_MAX_CONNECTIONS"
+RESERVED_KEY = "TRIBUTARY_DATABASE__RESERVED_CONNECTIONS"
+MAX_REPLICAS_KEY = "TRIBUTARY_DATABASE__MAX_REPLICAS"
 
 
 def surge_pods(deployment: dict, replicas: int) -> int:
@@ -63,33 +63,32 @@ def check_kubernetes(docs: list[dict]) -> list[str]:
     for hpa in hpas:
         ref = hpa["spec"]["scaleTargetRef"]
         deployment = manifests.one(docs, ref["kind"], ref["name"])
-        annotations = deployment["metadata"].get("annotations", {})
-        missing = [a for a in (ANN_MAX, ANN_RESERVE) if a not in annotations]
-        if missing:
-            failures.append(f"k8s: Deployment/{ref['name']} lacks annotation(s) {', '.join(missing)}")
-            continue
         env = manifests.container_env(deployment, docs)
-        if POOL_KEY not in env:
-            failures.append(f"k8s: {POOL_KEY} is not set for Deployment/{ref['name']} (set it explicitly)")
+        missing = [k for k in (POOL_KEY, SERVER_MAX_KEY, RESERVED_KEY, MAX_REPLICAS_KEY) if k not in env]
+        if missing:
+            failures.append(f"k8s: Deployment/{ref['name']} does not set {', '.join(missing)} (set them explicitly)")
             continue
-        pool = int(env[POOL_KEY])
+        pool, pg_max = int(env[POOL_KEY]), int(env[SERVER_MAX_KEY])
+        reserve, declared = int(env[RESERVED_KEY]), int(env[MAX_REPLICAS_KEY])
         max_replicas = int(hpa["spec"]["maxReplicas"])
         surge = surge_pods(deployment, max_replicas)
-        pg_max = int(annotations[ANN_MAX])
-        reserve = int(annotations[ANN_RESERVE])
-        need = pool * (max_replicas + surge)
-        have = pg_max - reserve
+        pods = max_replicas + surge
+        need, have = pool * pods, pg_max - reserve
         verdict, op = ("ok", "<=") if need <= have else ("FAIL", ">")
         print(
             f"{verdict}: k8s HPA/{hpa['metadata']['name']}: pool {pool} x (maxReplicas {max_replicas}"
-            f" + maxSurge {surge}) = {need} {op} max_connections {pg_max} - reserve {reserve} = {have}"
+            f" + maxSurge {surge}) = {need} {op} server_max_connections {pg_max} - reserved {reserve} = {have}"
         )
         if need > have:
-            largest = have // pool - surge
             failures.append(
                 f"k8s: {need} connections needed at maxReplicas, {have} available; with pool {pool} "
-                f"maxReplicas can be at most {largest}, or lower the pool to {have // (max_replicas + surge)}"
+                f"maxReplicas can be at most {have // pool - surge}, or lower the pool to {have // pods}"
             )
+        verdict, op = ("ok", ">=") if declared >= pods else ("FAIL", "<")
+        print(f"{verdict}: k8s {MAX_REPLICAS_KEY} {declared} {op} maxReplicas + maxSurge = {pods}"
+              " (the gateway's start-up check covers the whole fleet)")
+        if declared < pods:
+            failures.append(f"k8s: {MAX_REPLICAS_KEY} is {declared}, the fleet can have {pods} pods")
     return failures
 
 
@@ -104,23 +103,30 @@ def check_compose(path: Path) -> list[str]:
     m = re.search(r"max_connections=(\d+)", command)
     if not m:
         return ["compose: the postgres service does not set max_connections explicitly"]
-    if "x-postgres-reserved-connections" not in compose:
-        return ["compose: top-level x-postgres-reserved-connections is missing"]
-    pg_max, reserve = int(m.group(1)), int(compose["x-postgres-reserved-connections"])
-    pools = {}
+    pg_max = int(m.group(1))
+    failures, pools, reserves = [], {}, set()
     for name, svc in services.items():
         env = svc.get("environment", {}) or {}
         if isinstance(env, list):
             env = dict(e.split("=", 1) for e in env)
-        if "DATABASE_URL" in env:
-            if POOL_KEY not in env:
-                return [f"compose: service {name} has a DATABASE_URL but no explicit {POOL_KEY}"]
-            replicas = int(svc.get("deploy", {}).get("replicas", 1))
-            pools[name] = int(env[POOL_KEY]) * replicas
+        if "DATABASE_URL" not in env:
+            continue
+        missing = [k for k in (POOL_KEY, SERVER_MAX_KEY, RESERVED_KEY) if k not in env]
+        if missing:
+            failures.append(f"compose: service {name} has a DATABASE_URL but does not set {', '.join(missing)}")
+            continue
+        if int(env[SERVER_MAX_KEY]) != pg_max:
+            failures.append(f"compose: service {name} has {SERVER_MAX_KEY}={env[SERVER_MAX_KEY]}, "
+                            f"but postgres runs with max_connections={pg_max}")
+        reserves.add(int(env[RESERVED_KEY]))
+        pools[name] = int(env[POOL_KEY]) * int(svc.get("deploy", {}).get("replicas", 1))
+    if failures or not pools:
+        return failures or ["compose: no service with a DATABASE_URL"]
+    reserve = max(reserves)
     need, have = sum(pools.values()), pg_max - reserve
     terms = " + ".join(f"{n} {p}" for n, p in pools.items())
     verdict, op = ("ok", "<=") if need <= have else ("FAIL", ">")
-    print(f"{verdict}: compose: {terms} = {need} {op} max_connections {pg_max} - reserve {reserve} = {have}")
+    print(f"{verdict}: compose: {terms} = {need} {op} max_connections {pg_max} - reserved {reserve} = {have}")
     return [] if need <= have else [f"compose: pools need {need} connections, {have} available"]
 
 
