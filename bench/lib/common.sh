@@ -7,14 +7,22 @@ set -euo pipefail
 BENCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 REPO_DIR="$(cd "$BENCH_DIR/.." && pwd)"
 BIN_DIR="${BIN_DIR:-$REPO_DIR/target/release}"
+[[ "$BIN_DIR" == /* ]] || BIN_DIR="$PWD/$BIN_DIR"
 BENCH_QUICK="${BENCH_QUICK:-0}"
 # Placement: the server under test alone on core 0, everything else on core 1 (a 2-core machine).
 SERVER_CPUS="${BENCH_SERVER_CPUS:-0}"
 LOADGEN_CPUS="${BENCH_LOADGEN_CPUS:-1}"
 PG_URL_BASE="${BENCH_PG_URL_BASE:-postgres://postgres@127.0.0.1:5432}"
-GATEWAY_PORT="${BENCH_GATEWAY_PORT:-18080}"
-SIM_PORT="${BENCH_SIM_PORT:-19000}"
-BENCH_SERVER_PORT="${BENCH_SERVER_PORT:-18090}"
+# Free ports, chosen by the kernel, so that a run never talks to somebody else's server.
+read -r GATEWAY_PORT BENCH_SERVER_PORT SIM_PORT_LIST < <(python3 -c '
+import socket
+socks = [socket.socket() for _ in range(7)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+ports = [s.getsockname()[1] for s in socks]
+print(ports[0], ports[1], ",".join(map(str, ports[2:])))
+')
+IFS=, read -r -a SIM_PORTS <<<"$SIM_PORT_LIST"
 
 BENCH_PIDS=()
 
@@ -69,6 +77,13 @@ bench_start() {
   BENCH_PIDS+=("$BENCH_LAST_PID")
 }
 
+# A started process that exited stays a zombie until reaped, and `kill -0` still succeeds on it.
+bench_alive() {
+  local state
+  state="$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" || return 1
+  [[ -n "$state" && "$state" != Z ]]
+}
+
 bench_stop() {
   local pid="$1" i
   kill -0 "$pid" 2>/dev/null || return 0
@@ -85,7 +100,7 @@ bench_stop() {
 bench_wait_http() {
   local url="$1" seconds="${2:-30}" pid="${3:-}" i
   for i in $(seq 1 $((seconds * 10))); do
-    if [[ -n "$pid" ]] && ! kill -0 "$pid" 2>/dev/null; then
+    if [[ -n "$pid" ]] && ! bench_alive "$pid"; then
       bench_log "process $pid died while waiting for $url"
       return 1
     fi
@@ -146,4 +161,105 @@ bench_server_run() {
     --server-pid "$SERVER_PID" --server-name bench_server --info-url "$base/info" \
     --limit-rps "$limit" --limit-basis "$basis" --meta "server_env=$*"
   bench_stop "$SERVER_PID"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Gateway scenarios: Postgres database, five simulators, the gateway.
+
+BENCH_DB="${BENCH_DB:-tributary_bench}"
+BENCH_USERS="${BENCH_USERS:-10000}"
+BENCH_ORDERS_PER_USER="${BENCH_ORDERS_PER_USER:-5}"
+DATABASE_URL_BENCH="$PG_URL_BASE/$BENCH_DB"
+SIM_SERVICES=(users carts recommendations promotions notifications)
+SIM_PIDS=()
+
+bench_gateway_bin() {
+  local name="$1"
+  if [[ ! -x "$BIN_DIR/$name" ]]; then
+    bench_log "$BIN_DIR/$name is missing: build it (cargo build --release --bins) or set BIN_DIR"
+    exit 1
+  fi
+  echo "$BIN_DIR/$name"
+}
+
+# Create the dedicated database if needed, migrate it and seed it (both idempotent).
+bench_db_prepare() {
+  local exists
+  exists="$(psql "$PG_URL_BASE/postgres" -tAc "SELECT 1 FROM pg_database WHERE datname = '$BENCH_DB'")"
+  if [[ "$exists" != 1 ]]; then
+    bench_log "creating database $BENCH_DB"
+    psql "$PG_URL_BASE/postgres" -qc "CREATE DATABASE \"$BENCH_DB\"" >/dev/null
+  fi
+  local tributary
+  tributary="$(bench_gateway_bin tributary)"
+  (cd "$REPO_DIR" && env -u RUST_LOG DATABASE_URL="$DATABASE_URL_BENCH" TRIBUTARY_TELEMETRY__LOG_LEVEL=warn \
+    "$tributary" migrate >"$LOG_DIR/migrate.log" 2>&1)
+  bench_log "seeding $BENCH_USERS users x $BENCH_ORDERS_PER_USER orders into $BENCH_DB"
+  (cd "$REPO_DIR" && env -u RUST_LOG DATABASE_URL="$DATABASE_URL_BENCH" TRIBUTARY_TELEMETRY__LOG_LEVEL=warn \
+    "$tributary" seed --users "$BENCH_USERS" --orders-per-user "$BENCH_ORDERS_PER_USER" >"$LOG_DIR/seed.log" 2>&1)
+}
+
+# bench_start_sims LATENCY : one simulator per downstream (ports SIM_PORTS), all on core 1,
+# one tokio worker each, as in compose. One port per service also gives each downstream its own
+# range of ephemeral ports, which matters at high concurrency.
+bench_start_sims() {
+  local latency="$1" sim i
+  sim="$(bench_gateway_bin downstream-sim)"
+  SIM_PIDS=()
+  for i in "${!SIM_SERVICES[@]}"; do
+    bench_start "sim-${SIM_SERVICES[$i]}" "$LOADGEN_CPUS" env SIM_WORKER_THREADS=1 \
+      "$sim" --listen "127.0.0.1:${SIM_PORTS[$i]}" --latency "$latency"
+    SIM_PIDS+=("$BENCH_LAST_PID")
+  done
+  for i in "${!SIM_SERVICES[@]}"; do
+    bench_wait_http "http://127.0.0.1:${SIM_PORTS[$i]}/healthz" 30 "${SIM_PIDS[$i]}"
+  done
+}
+
+bench_stop_sims() {
+  local pid
+  for pid in "${SIM_PIDS[@]}"; do bench_stop "$pid"; done
+  SIM_PIDS=()
+}
+
+# bench_start_gateway [ENV=VALUE...] : the gateway on core 0 with one worker, pointed at the
+# simulators and the bench database; extra settings override. Sets GATEWAY_PID and GATEWAY_ENV.
+bench_start_gateway() {
+  local i
+  GATEWAY_ENV=(
+    "TRIBUTARY_SERVER__LISTEN=127.0.0.1:$GATEWAY_PORT"
+    "TRIBUTARY_SERVER__WORKER_THREADS=1"
+    "DATABASE_URL=$DATABASE_URL_BENCH"
+    "TRIBUTARY_TELEMETRY__LOG_LEVEL=${BENCH_GATEWAY_LOG_LEVEL:-info}"
+  )
+  for i in "${!SIM_SERVICES[@]}"; do
+    GATEWAY_ENV+=("TRIBUTARY_DOWNSTREAMS__${SIM_SERVICES[$i]^^}__BASE_URL=http://127.0.0.1:${SIM_PORTS[$i]}")
+  done
+  GATEWAY_ENV+=("$@")
+  local tributary
+  tributary="$(bench_gateway_bin tributary)"
+  cd "$REPO_DIR"
+  bench_start gateway "$SERVER_CPUS" env -u RUST_LOG "${GATEWAY_ENV[@]}" "$tributary" serve
+  GATEWAY_PID=$BENCH_LAST_PID
+  cd - >/dev/null
+  bench_wait_http "http://127.0.0.1:$GATEWAY_PORT/readyz" 60 "$GATEWAY_PID"
+}
+
+# bench_gateway_run VARIANT CONNECTIONS REP DURATION WARMUP LIMIT BASIS [MEASURE-ARGS...]
+# One measured run of the dashboard endpoint against the running gateway.
+bench_gateway_run() {
+  local variant="$1" conns="$2" rep="$3" duration="$4" warmup="$5" limit="$6" basis="$7"
+  shift 7
+  local sims
+  sims="$(IFS=,; echo "${SIM_PIDS[*]}")"
+  local metrics=(--metrics-url "http://127.0.0.1:$GATEWAY_PORT/metrics")
+  bench_measure --out "$OUT_DIR/runs/${variant}-c${conns}-r${rep}.json" --scenario "$SCENARIO" \
+    --variant "$variant" --repetition "$rep" \
+    --url "http://127.0.0.1:$GATEWAY_PORT/api/v1/dashboard/1" \
+    --wrk-env "WRK_PATH_TEMPLATE=/api/v1/dashboard/{id}" --wrk-env "WRK_ID_MAX=$BENCH_USERS" \
+    --connections "$conns" --duration "$duration" --warmup "$warmup" \
+    --server-pid "$GATEWAY_PID" --server-name gateway --proc "downstream-sim=$sims" \
+    --proc-comm "postgres=postgres" "${metrics[@]}" \
+    --limit-rps "$limit" --limit-basis "$basis" \
+    --meta "gateway_env=${GATEWAY_ENV[*]}" --meta "users=$BENCH_USERS" "$@"
 }

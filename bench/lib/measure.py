@@ -53,6 +53,11 @@ def proc_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def procs_cpu_seconds(pids: list[int]) -> float | None:
+    values = [proc_cpu_seconds(pid) for pid in pids]
+    return None if any(v is None for v in values) else sum(values)
+
+
 def proc_status_kib(pid: int, key: str) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -168,6 +173,21 @@ def summarise_wrk(raw: dict) -> dict:
         return None if value is None else round(value / 1000.0, 3)
 
     socket_errors = {k: raw["errors"][k] for k in ("connect", "read", "write", "timeout")}
+    fast = raw.get("fast_share_us") or {}
+    rejections = None
+    # The client-side latency of non-2xx answers can be read off wrk's distribution only when
+    # they are all faster than the successes: the slowest of them (the share-th percentile) is
+    # well under the fastest success (the percentile just above). Otherwise: not separable.
+    if fast and fast.get("99.9") is not None and fast.get("next") is not None:
+        separable = fast["99.9"] * 5 < fast["next"]
+        rejections = {
+            "separable": separable,
+            "share": round(fast["share"] / 100, 4),
+            "p50_ms": ms(fast["50"]) if separable else None,
+            "p99_ms": ms(fast["99"]) if separable else None,
+            "p99.9_ms": ms(fast["99.9"]) if separable else None,
+            "method": "fastest share of wrk's latency distribution, valid when every non-2xx is faster than every 2xx",
+        }
     return {
         "duration_s": round(duration, 3),
         "requests": requests,
@@ -190,6 +210,7 @@ def summarise_wrk(raw: dict) -> dict:
             "socket_total": sum(socket_errors.values()),
         },
         "status_counts": statuses,
+        "non_2xx_latency_inferred": rejections,
     }
 
 
@@ -222,7 +243,7 @@ def main() -> None:
     ap.add_argument("--probe-delay-ms", type=int, default=10, help="pause between a probe connection's requests")
     ap.add_argument("--server-pid", type=int, required=True, help="the process under test")
     ap.add_argument("--server-name", default="server")
-    ap.add_argument("--proc", action="append", help="NAME=PID of another process to account")
+    ap.add_argument("--proc", action="append", help="NAME=PID[,PID...] of other processes to account (summed)")
     ap.add_argument("--proc-comm", action="append", help="NAME=COMM: sum every process with that comm")
     ap.add_argument("--metrics-url")
     ap.add_argument("--info-url", help="a JSON endpoint describing the server (bench_server's /info)")
@@ -238,13 +259,14 @@ def main() -> None:
     if args.warmup > 0:
         Wrk(args.url, args.connections, args.warmup, args.threads, args.timeout, cpus, wrk_env).wait()
 
-    procs = {args.server_name: args.server_pid, **{k: int(v) for k, v in parse_kv(args.proc).items()}}
+    procs = {args.server_name: [args.server_pid],
+             **{k: [int(p) for p in v.split(",") if p] for k, v in parse_kv(args.proc).items()}}
     comms = parse_kv(args.proc_comm)
     load_before = load_average()
     builds = busy_builds()
     info = scrape(args.info_url)
     metrics_before = scrape(args.metrics_url)
-    cpu_before = {name: proc_cpu_seconds(pid) for name, pid in procs.items()}
+    cpu_before = {name: procs_cpu_seconds(pids) for name, pids in procs.items()}
     comm_before = {name: comm_cpu_seconds(comm) for name, comm in comms.items()}
     cores_before = core_times()
     started = dt.datetime.now(dt.timezone.utc)
@@ -275,7 +297,7 @@ def main() -> None:
     wall = time.monotonic() - t0
 
     cores_after = core_times()
-    cpu_after = {name: proc_cpu_seconds(pid) for name, pid in procs.items()}
+    cpu_after = {name: procs_cpu_seconds(pids) for name, pids in procs.items()}
     comm_after = {name: comm_cpu_seconds(comm) for name, comm in comms.items()}
     metrics_after = scrape(args.metrics_url)
     peak_rss_kib = proc_status_kib(args.server_pid, "VmHWM")
@@ -285,7 +307,7 @@ def main() -> None:
     for name in procs:
         if cpu_before[name] is not None and cpu_after[name] is not None:
             seconds = cpu_after[name] - cpu_before[name]
-            processes[name] = {"pid": procs[name], "cpu_s": round(seconds, 3), "cpu_util": round(seconds / wall, 3)}
+            processes[name] = {"pids": procs[name], "cpu_s": round(seconds, 3), "cpu_util": round(seconds / wall, 3)}
     for name in comms:
         before, after = comm_before[name], comm_after[name]
         seconds = sum(after[pid] - before.get(pid, 0.0) for pid in after)

@@ -116,6 +116,8 @@ def histogram_deltas(before: dict, after: dict, family: str, group_by: str | Non
             "p99_ms": ms(quantile(0.99, buckets)),
             "p999_ms": ms(quantile(0.999, buckets)),
             "fraction_le_1ms": round(le_1ms / count, 4) if le_1ms is not None else None,
+            # Observations above 1 s: slower than the gateway's default request deadline.
+            "count_gt_1s": int(count - entry["buckets"][1.0]) if 1.0 in entry["buckets"] else None,
             "buckets": {("+Inf" if math.isinf(b) else f"{b:g}"): int(c) for b, c in buckets},
         }
     return result

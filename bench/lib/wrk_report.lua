@@ -68,12 +68,32 @@ function done(summary, latency, requests)
   for _, p in ipairs({50, 75, 90, 99, 99.9, 99.99}) do
     table.insert(percentile_parts, string.format('"%s":%s', tostring(p), number(latency:percentile(p))))
   end
+  -- Percentiles of the fastest share s of responses, where s is the share of non-2xx answers.
+  -- When every non-2xx answer is faster than every 2xx one (a limiter that fails fast in front
+  -- of a 100 ms downstream), these are the client-side percentiles of the rejections; measure.py
+  -- checks that gap before it reports them.
+  local total, non_ok = 0, 0
+  for status, count in pairs(merged) do
+    total = total + count
+    if status < 200 or status > 299 then
+      non_ok = non_ok + count
+    end
+  end
+  local fast_parts = {}
+  if total > 0 and non_ok > 0 and non_ok < total then
+    local share = non_ok / total * 100
+    for _, p in ipairs({50, 99, 99.9}) do
+      table.insert(fast_parts, string.format('"%s":%s', tostring(p), number(latency:percentile(share * p / 100))))
+    end
+    table.insert(fast_parts, string.format('"share":%s', number(share)))
+    table.insert(fast_parts, string.format('"next":%s', number(latency:percentile(math.min(share + 0.1, 100)))))
+  end
   local e = summary.errors
   io.write(string.format(
-    'WRK_JSON {"duration_us":%d,"requests":%d,"bytes":%d,' ..
+    'WRK_JSON {"duration_us":%d,"requests":%d,"bytes":%d,"fast_share_us":{%s},' ..
     '"errors":{"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d},' ..
     '"status":{%s},"latency_us":{"min":%s,"mean":%s,"stdev":%s,"max":%s,"percentiles":{%s}}}\n',
-    summary.duration, summary.requests, summary.bytes,
+    summary.duration, summary.requests, summary.bytes, table.concat(fast_parts, ","),
     e.connect, e.read, e.write, e.status, e.timeout,
     table.concat(status_parts, ","),
     number(latency.min), number(latency.mean), number(latency.stdev), number(latency.max),

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# seed-baseline: the reports' headline test on one gateway core: 500 connections, every
+# downstream a fixed 100 ms, the dashboard endpoint, 60 s after a warm-up.
+source "$(dirname "$0")/../lib/common.sh"
+bench_init seed-baseline
+
+conns=$(bench_pick 500 8)
+reps=$(bench_pick 3 1)
+duration=$(bench_pick 60 5)
+warmup=$(bench_pick 5 1)
+limit=$((conns * 10))
+basis="Little's law: $conns connections ÷ 100 ms downstream = $limit req/s"
+
+bench_db_prepare
+bench_start_sims 100ms
+for rep in $(seq 1 "$reps"); do
+  bench_start_gateway   # fresh each repetition, so its peak RSS belongs to this run
+  bench_gateway_run baseline "$conns" "$rep" "$duration" "$warmup" "$limit" "$basis"
+  bench_stop "$GATEWAY_PID"
+done
+bench_stop_sims
+bench_report "seed-baseline: dashboard fan-out, 500 connections, downstreams fixed at 100 ms (gateway on one core)"
