@@ -237,6 +237,7 @@ def main() -> int:
             rows.append(
                 f"{m:>4} {minute['offered'] / 60:>8.0f} {replicas:>8} {ready:>5} {obs['admission']:>8.2f} "
                 f"{obs['cpu'] * 100:>4.0f}% {100 * minute['shed'] / minute['offered']:>5.1f}%  {' '.join(evs)}"
+                .rstrip()
             )
             minute = {"offered": 0.0, "shed": 0.0, "adm": 0.0, "cpu": 0.0}
 
