@@ -13,8 +13,9 @@
 #   loadgen  wrk from Debian, for the compose `bench` profile (built only when asked for by target).
 #   runtime  debian:bookworm-slim with the two binaries, migrations/ and config/; no toolchain, no sources.
 #
-# No sqlx compile-time macros (`query!`) are used, so the build needs no database and no
-# SQLX_OFFLINE query data: queries are checked by the integration tests against a real Postgres.
+# No sqlx compile-time checked queries (`query!`, `query_as!`) are used, so the build needs no
+# database and no SQLX_OFFLINE query data: queries are checked by the integration tests against a
+# real Postgres. (`sqlx::migrate!` only embeds migrations/ from the build context into the binary.)
 
 ARG RUST_IMAGE=rust:1.95-slim-bookworm
 ARG RUNTIME_IMAGE=debian:bookworm-slim
@@ -76,8 +77,8 @@ RUN apt-get update \
 
 COPY --from=builder /out/tributary /out/downstream-sim /usr/local/bin/
 
-# The gateway looks for config/default.toml relative to its working directory, and `tributary
-# migrate` reads migrations/ from there too.
+# The gateway looks for config/default.toml relative to its working directory. The migrations are
+# embedded in the binary; the copy in migrations/ is there so operators can read what will run.
 WORKDIR /app
 COPY --chown=root:root migrations/ ./migrations/
 COPY --chown=root:root config/ ./config/

@@ -174,7 +174,7 @@ rejects "k8s: the CRD validator rejects a ServiceMonitor without selector and wi
 
 # ---- numbers that must agree ----------------------------------------------------------------------------------
 check "invariants: grace period, probes, security context, selectors, HPA metrics vs adapter rules, compose wiring" \
-  "$PY" deploy/check-invariants.py --rendered "$WORK/k8s.yaml" --compose docker-compose.yml
+  "$PY" deploy/check-invariants.py --quiet --rendered "$WORK/k8s.yaml" --compose docker-compose.yml
 check "pool budget: pool x (maxReplicas + maxSurge) <= server_max_connections - reserved (k8s and compose)" \
   "$PY" deploy/check-pool-budget.py --rendered "$WORK/k8s.yaml" --compose docker-compose.yml
 sed -E 's/^(  maxReplicas: )[0-9]+/\150/' "$WORK/k8s.yaml" >"$WORK/k8s-over-budget.yaml"

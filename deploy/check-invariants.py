@@ -14,6 +14,8 @@ Kubernetes (kustomize-rendered k8s/ plus k8s/prometheus-adapter/config.yaml and 
   - every custom metric of the HPA is served by a prometheus-adapter rule (name.as), and every
     series those rules read is a metric the gateway exports (listed below)
   - the HPA does not fight a fixed spec.replicas, and has a scale-down stabilisation window
+Docker: the files the build needs (Cargo manifests, .cargo/config.toml, every target path of
+  Cargo.toml, migrations/, config/, each COPY source) exist and are not excluded by .dockerignore
 Compose (docker-compose.yml plus the Prometheus and Grafana files it mounts):
   - every bind-mount source exists in the repository
   - the gateway's downstream/OTLP URLs and Prometheus' scrape targets name compose services on the
@@ -22,7 +24,7 @@ Compose (docker-compose.yml plus the Prometheus and Grafana files it mounts):
     datasource URL names the prometheus service
   - the gateway waits for migrate-seed to complete and for each service it calls
 
-Usage: check-invariants.py [--rendered FILE|-] [--compose docker-compose.yml]
+Usage: check-invariants.py [--rendered FILE|-] [--compose docker-compose.yml] [--quiet]
 """
 
 from __future__ import annotations
@@ -168,6 +170,36 @@ def k8s(docs: list[dict]) -> None:
           "admission limit (the utilisation metric's denominator) is set explicitly")
 
 
+def docker_context() -> None:
+    """What the Dockerfile's build needs is in the build context (not excluded by .dockerignore)."""
+    patterns = [
+        line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+
+    def excluded(rel: str) -> bool:
+        parts = rel.split("/")
+        for pat in patterns:
+            pat = pat.rstrip("/")
+            if pat.startswith("**/"):
+                if pat[3:] in parts:
+                    return True
+            elif rel == pat or rel.startswith(pat + "/"):
+                return True
+        return False
+
+    cargo = (REPO / "Cargo.toml").read_text()
+    needed = ["Cargo.toml", "Cargo.lock", ".cargo/config.toml", "migrations", "config/default.toml"]
+    needed += re.findall(r'^path\s*=\s*"([^"]+)"', cargo, re.M)  # lib, bin, test, example targets
+    dockerfile = (REPO / "Dockerfile").read_text()
+    for src in re.findall(r"^COPY\s+(?!--from)(?:--\S+\s+)*(\S+)\s", dockerfile, re.M):
+        if src != ".":
+            needed.append(src.rstrip("/"))
+    for rel in dict.fromkeys(needed):
+        check((REPO / rel).exists() and not excluded(rel),
+              f"docker build context contains {rel} (exists, not excluded by .dockerignore)")
+
+
 def compose(path: Path) -> None:
     base = path.absolute().parent
     spec = yaml.safe_load(path.read_text())
@@ -243,11 +275,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rendered", help="kustomize output of k8s/ (file or '-'); default: render it")
     ap.add_argument("--compose", type=Path, default=REPO / "docker-compose.yml")
+    ap.add_argument("--quiet", action="store_true", help="print only the broken invariants and the count")
     args = ap.parse_args()
     k8s(manifests.load(args.rendered))
+    docker_context()
     compose(args.compose)
     for ok, what in results:
-        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+        if not (ok and args.quiet):
+            print(f"{'ok  ' if ok else 'FAIL'} {what}")
     failed = sum(1 for ok, _ in results if not ok)
     print(f"{len(results) - failed} invariants hold, {failed} broken")
     return 1 if failed else 0
