@@ -16,7 +16,8 @@
 #
 # Then checks: every simulator answers /healthz, the gateway becomes ready (/readyz 200),
 # GET /api/v1/dashboard/1 answers 200 with a JSON body, Prometheus reports the gateway's scrape
-# job up == 1, and the gateway's own request counter arrives in Prometheus.
+# job up == 1, the gateway's own request counter arrives in Prometheus, and the prometheus-adapter
+# rules' queries return samples for the gateway.
 #
 # Usage: BIN_DIR=target/debug deploy/compose-native-smoke.sh   (BIN_DIR defaults to target/debug)
 # Every wait has a deadline and the whole run is capped (SMOKE_TIMEOUT, default 300 s). Everything
@@ -267,6 +268,30 @@ prom_query_true() {
 wait_for "prometheus: up{job=\"$GATEWAY_JOB\"} == 1" 30 prom_query_true "up{job=\"$GATEWAY_JOB\"} == 1" || true
 wait_for "prometheus: gateway request counter scraped" 30 \
   prom_query_true "sum(tributary_http_requests_total{job=\"$GATEWAY_JOB\"})" || true
+
+# prometheus-adapter rules (k8s/prometheus-adapter/config.yaml, rules[].metricsQuery), evaluated the
+# way the adapter would for this gateway: <<.LabelMatchers>> selects the scrape job (natively there
+# are no namespace/pod labels) and <<.GroupBy>> is `instance`. Each must return a finite sample; the
+# utilisation must lie in [0, 1].
+python3 - "$REPO/k8s/prometheus-adapter/config.yaml" "$GATEWAY_JOB" >"$WORK/adapter-queries.tsv" <<'PY'
+import sys
+import yaml
+for rule in yaml.safe_load(open(sys.argv[1]))["rules"]:
+    q = rule["metricsQuery"].replace("<<.LabelMatchers>>", f'job="{sys.argv[2]}"').replace("<<.GroupBy>>", "instance")
+    lo, hi = ("0", "1") if rule["name"]["as"].endswith("_utilization") else ("-inf", "inf")
+    print(rule["name"]["as"], lo, hi, " ".join(q.split()), sep="\t")
+PY
+prom_sample_within() { # QUERY LOW HIGH: at least one sample, every sample finite and within [LOW, HIGH]
+  curl -s -m 2 --get "http://127.0.0.1:$PROM_PORT/api/v1/query" --data-urlencode "query=$1" \
+    | python3 -c 'import json,math,sys
+r = json.load(sys.stdin); lo, hi = float(sys.argv[1]), float(sys.argv[2])
+vals = [float(s["value"][1]) for s in r.get("data", {}).get("result", [])] if r.get("status") == "success" else []
+sys.exit(0 if vals and all(math.isfinite(v) and lo <= v <= hi for v in vals) else 1)' "$2" "$3"
+}
+while IFS=$'\t' read -r metric lo hi query; do
+  wait_for "prometheus-adapter rule $metric returns samples in [$lo, $hi]" 20 \
+    prom_sample_within "$query" "$lo" "$hi" || true
+done <"$WORK/adapter-queries.tsv"
 
 if ((FAILED)); then log "compose-native smoke: FAILED"; exit 1; fi
 log "compose-native smoke: all checks passed"
