@@ -113,6 +113,21 @@ class Query:
     instant: bool = False
     # For a label_values() variable: the label whose values must exist.
     label: str | None = None
+    # Labels some result series must carry: those the expression aggregates
+    # `by` (le excepted, histogram_quantile consumes it) and those the panel
+    # legend names. A metric without such a label would still give data, but
+    # one anonymous line where the panel promises one per value.
+    required: frozenset[str] = frozenset()
+
+
+BY_RE = re.compile(r"\bby\s*\(([^)]*)\)")
+LEGEND_RE = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+
+
+def required_labels(expr: str, legend: str = "") -> frozenset[str]:
+    labels = {l.strip() for m in BY_RE.finditer(expr) for l in m.group(1).split(",") if l.strip()}
+    labels.update(LEGEND_RE.findall(legend or ""))
+    return frozenset(labels - {"le"})
 
 
 def load_yaml_all(path: Path) -> list:
@@ -201,7 +216,8 @@ def dashboard_queries(report: Report | None = None) -> list[Query]:
                     if report:
                         report.fail(where, f"undefined variables {missing}")
                     continue
-                out.append(Query(where, expr, instant=bool(target.get("instant")) and not target.get("range")))
+                out.append(Query(where, expr, instant=bool(target.get("instant")) and not target.get("range"),
+                                 required=required_labels(expr, target.get("legendFormat", ""))))
     return out
 
 
@@ -283,15 +299,18 @@ def rule_queries() -> list[Query]:
             expr = rule["expr"].strip()
             if "record" in rule:
                 name = rule["record"]
-                out.append(Query(f"alerts.yml record {name} (expr)", expr))
-                out.append(Query(f"alerts.yml record {name} (recorded series)", name))
+                out.append(Query(f"alerts.yml record {name} (expr)", expr, required=required_labels(expr)))
+                out.append(Query(f"alerts.yml record {name} (recorded series)", name, required=required_labels(expr)))
             else:
                 name = rule["alert"]
                 _, sides = split_top_level(expr)
                 if not sides:
                     raise SystemExit(f"alert {name}: found nothing to evaluate in {expr!r}")
+                # Labels the annotations print ({{ $labels.instance }}) must exist too.
+                templated = set(re.findall(r"\$labels\.(\w+)", json.dumps(rule.get("annotations", {}))))
                 for i, side in enumerate(sides):
-                    out.append(Query(f"alerts.yml alert {name} signal {i + 1}/{len(sides)}", side))
+                    out.append(Query(f"alerts.yml alert {name} signal {i + 1}/{len(sides)}", side,
+                                     required=required_labels(side) | templated))
     return out
 
 
@@ -596,6 +615,9 @@ class Prometheus:
         if q.label and not all(q.label in s["metric"] for s in with_data):
             return False, f"series without label {q.label}"
         labels = sorted({k for s in with_data for k in s["metric"]})
+        missing = sorted(q.required - set(labels))
+        if missing:
+            return False, f"{len(with_data)} series, none with label(s) {', '.join(missing)} (got [{', '.join(labels)}])"
         return True, f"{len(with_data)} series" + (f" [{', '.join(labels)}]" if labels else "")
 
 
@@ -627,7 +649,8 @@ def cmd_live(args) -> int:
                 report.fail(f"{label} renders", str(err))
                 continue
             queries.append(Query(f"{label} {name} seriesQuery", series_query))
-            queries.append(Query(f"{label} {name} metricsQuery: {rendered}", rendered))
+            queries.append(Query(f"{label} {name} metricsQuery: {rendered}", rendered,
+                                 required=required_labels(rendered)))
 
     # Evaluate; retry the failures until the deadline (signals that need time).
     deadline = time.time() + args.deadline
