@@ -281,14 +281,24 @@ def main() -> None:
     rss_samples: list[tuple[float, int]] = []
     stop = threading.Event()
 
-    def sample_rss() -> None:
+    gauge_samples: list[dict] = []
+
+    def sample() -> None:
+        tick = 0
         while not stop.is_set():
             rss = proc_status_kib(args.server_pid, "VmRSS")
             if rss is not None:
                 rss_samples.append((round(time.monotonic() - t0, 2), rss))
+            # Gauges once a second (a scrape costs the server a little CPU): the time averages
+            # are the L of Little's law (busy pool connections, requests in flight).
+            if args.metrics_url and tick % 2 == 1:
+                values = promtext.sample_gauges(scrape(args.metrics_url))
+                if values:
+                    gauge_samples.append(values)
+            tick += 1
             stop.wait(0.5)
 
-    sampler = threading.Thread(target=sample_rss, daemon=True)
+    sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     main_raw = main_wrk.wait()
     probe_raw = probe.wait() if probe else None
@@ -319,6 +329,11 @@ def main() -> None:
     for name, (busy, total) in cores_after.items():
         busy0, total0 = cores_before.get(name, (0, 0))
         cores[name] = round((busy - busy0) / max(total - total0, 1), 3)
+    # CPU that none of the accounted processes used: other work on the machine (and the kernel's
+    # softirq time for the loopback traffic). A quiet machine keeps this small.
+    accounted = sum(p["cpu_s"] for p in processes.values())
+    processes["other"] = {"cpu_s": round(sum(cores.values()) * wall - accounted, 3),
+                          "cpu_util": round(sum(cores.values()) - accounted / wall, 3)}
 
     server_cpu = processes.get(args.server_name, {}).get("cpu_s")
     # Per request of the main load; a probe's light requests (if any) add a little CPU on top.
@@ -367,6 +382,7 @@ def main() -> None:
                         "delay_ms": args.probe_delay_ms, **summarise_wrk(probe_raw)}
     if metrics_before is not None or metrics_after is not None:
         run["metrics"] = promtext.run_metrics(metrics_before, metrics_after)
+        run["metrics"]["gauges_sampled"] = promtext.summarise_gauges(gauge_samples)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(run, indent=2) + "\n")

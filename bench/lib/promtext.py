@@ -83,6 +83,19 @@ def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
     return None
 
 
+def quantile_bucket(q: float, buckets: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """The (lower, upper] bucket bounds that hold the q-quantile: all a histogram really knows."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower = 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            return (lower, bound)
+        lower = bound
+    return None
+
+
 def histogram_deltas(before: dict, after: dict, family: str, group_by: str | None) -> dict:
     groups: dict[str, dict] = {}
     for (name, labels), _ in after.items():
@@ -115,12 +128,20 @@ def histogram_deltas(before: dict, after: dict, family: str, group_by: str | Non
             "p50_ms": ms(quantile(0.5, buckets)),
             "p99_ms": ms(quantile(0.99, buckets)),
             "p999_ms": ms(quantile(0.999, buckets)),
+            "p50_bucket_ms": bucket_ms(quantile_bucket(0.5, buckets)),
+            "p99_bucket_ms": bucket_ms(quantile_bucket(0.99, buckets)),
             "fraction_le_1ms": round(le_1ms / count, 4) if le_1ms is not None else None,
             # Observations above 1 s: slower than the gateway's default request deadline.
             "count_gt_1s": int(count - entry["buckets"][1.0]) if 1.0 in entry["buckets"] else None,
             "buckets": {("+Inf" if math.isinf(b) else f"{b:g}"): int(c) for b, c in buckets},
         }
     return result
+
+
+def bucket_ms(bounds: tuple[float, float] | None) -> list | None:
+    if bounds is None:
+        return None
+    return [round(b * 1000, 3) if not math.isinf(b) else None for b in bounds]
 
 
 def counter_deltas(before: dict, after: dict, family: str) -> dict[str, int]:
@@ -156,4 +177,35 @@ def run_metrics(before_text: str | None, after_text: str | None) -> dict:
         values = gauges(after, family)
         if values:
             result[family] = values
+    return result
+
+
+# Gauges sampled during a run: (family, label filter) -> name in the run JSON.
+SAMPLED_GAUGES = {
+    ("tributary_db_pool_connections", ("state", "in_use")): "pool_in_use",
+    ("tributary_db_pool_connections", ("state", "idle")): "pool_idle",
+    ("tributary_db_pool_waiters", None): "pool_waiters",
+    ("http_server_active_requests", None): "active_requests",
+    ("tributary_admission_permits_in_use", None): "admission_permits_in_use",
+    ("process_resident_memory_bytes", None): "rss_bytes",
+    ("process_open_fds", None): "open_fds",
+}
+
+
+def sample_gauges(text: str | None) -> dict[str, float]:
+    """One sample of the gauges above (summed over label sets that pass the filter)."""
+    values: dict[str, float] = {}
+    for (name, labels), value in parse(text).items():
+        for (family, label_filter), key in SAMPLED_GAUGES.items():
+            if name == family and (label_filter is None or label_filter in labels):
+                values[key] = values.get(key, 0.0) + value
+    return values
+
+
+def summarise_gauges(samples: list[dict[str, float]]) -> dict:
+    keys = sorted({k for s in samples for k in s})
+    result: dict = {"samples": len(samples)}
+    for key in keys:
+        series = [s[key] for s in samples if key in s]
+        result[key] = {"mean": round(sum(series) / len(series), 3), "max": max(series)}
     return result

@@ -48,6 +48,8 @@ def median(values):
 
 
 def fmt(value, digits=1):
+    if isinstance(value, str):
+        return value
     return "–" if value is None else f"{value:,.{digits}f}"
 
 
@@ -106,6 +108,28 @@ def limiting_resource(run: dict) -> str:
     return f"no core saturated (core 0 {core0:.0%}, core 1 {core1:.0%}): waiting, see latency and metrics"
 
 
+def bucket(runs: list[dict], family: str, group: str) -> str | None:
+    """The histogram bucket holding the p99, e.g. "100–250" (ms): the median run's bucket."""
+    found = [dig(r, "metrics", family, group, "p99_bucket_ms") for r in runs]
+    found = [b for b in found if b]
+    if not found:
+        return None
+    lo, hi = sorted(found, key=lambda b: (b[1] is None, b[1] or 0, b[0]))[len(found) // 2]
+    if hi is None:
+        return f"> {lo:g}"
+    return f"{lo:g}–{hi:g}"
+
+
+def little_pool(run: dict) -> float | None:
+    """Little's law for the pool: λ × W, with λ the run's successful request rate and W the
+    time a connection is held, taken as two round trips of the recent_orders query (the
+    statement_timeout set and the query itself)."""
+    mean_ms = dig(run, "metrics", "tributary_db_query_duration_seconds", "recent_orders", "mean_ms")
+    if mean_ms is None:
+        return None
+    return round(run["ok_rps"] * 2 * mean_ms / 1000, 2)
+
+
 def aggregate(variant: str, x: float, runs: list[dict]) -> dict:
     def med(*path):
         return median([dig(r, *path) for r in runs])
@@ -153,19 +177,32 @@ def aggregate(variant: str, x: float, runs: list[dict]) -> dict:
         m = "metrics"
         row["gateway_metrics"] = {
             "pool_wait_mean_ms": med(m, "tributary_db_pool_acquire_wait_seconds", "all", "mean_ms"),
-            "pool_wait_p99_ms": med(m, "tributary_db_pool_acquire_wait_seconds", "all", "p99_ms"),
+            "pool_wait_p99_ms": bucket(runs, "tributary_db_pool_acquire_wait_seconds", "all"),
             "pool_waits": med(m, "tributary_db_pool_acquire_wait_seconds", "all", "count"),
             "pool_timeouts": median([sum(dig(r, m, "tributary_db_pool_acquire_timeouts_total", default={}).values()) for r in runs]),
-            "db_query_p99_ms": med(m, "tributary_db_query_duration_seconds", "recent_orders", "p99_ms"),
-            "server_2xx_p99_ms": med(m, "http_server_request_duration_seconds", "200", "p99_ms"),
+            "db_query_p99_ms": bucket(runs, "tributary_db_query_duration_seconds", "recent_orders"),
+            "server_2xx_p99_ms": bucket(runs, "http_server_request_duration_seconds", "200"),
             "server_503_count": med(m, "http_server_request_duration_seconds", "503", "count"),
-            "server_503_p99_ms": med(m, "http_server_request_duration_seconds", "503", "p99_ms"),
+            "server_503_p99_ms": bucket(runs, "http_server_request_duration_seconds", "503"),
             "server_503_le_1ms": med(m, "http_server_request_duration_seconds", "503", "fraction_le_1ms"),
             "admission_rejections": median([sum(dig(r, m, "tributary_admission_rejections_total", default={}).values()) for r in runs]),
-            "gateway_overhead_p99_ms": med(m, "tributary_fanout_gateway_overhead_seconds", "all", "p99_ms"),
+            "gateway_overhead_p99_ms": bucket(runs, "tributary_fanout_gateway_overhead_seconds", "all"),
             "long_polls": median([sum(dig(r, m, "tributary_runtime_long_polls_total", default={}).values()) for r in runs]),
-            "scheduling_lag_p99_ms": med(m, "tributary_runtime_scheduling_lag_seconds", "all", "p99_ms"),
+            "scheduling_lag_p99_ms": bucket(runs, "tributary_runtime_scheduling_lag_seconds", "all"),
+            "admitted_over_1s": med(m, "http_server_request_duration_seconds", "200", "count_gt_1s"),
+            "degraded_recent_orders": median([sum(v for k, v in dig(r, m, "tributary_fanout_degraded_total", default={}).items()
+                                               if "part=recent_orders" in k) for r in runs]),
+            "degraded_parts": median([sum(dig(r, m, "tributary_fanout_degraded_total", default={}).values()) for r in runs]),
+            "pool_in_use_mean": med(m, "gauges_sampled", "pool_in_use", "mean"),
+            "pool_waiters_mean": med(m, "gauges_sampled", "pool_waiters", "mean"),
+            "active_requests_mean": med(m, "gauges_sampled", "active_requests", "mean"),
+            "little_pool": median([little_pool(r) for r in runs]),
         }
+    if any(dig(r, "non_2xx_latency_inferred") for r in runs):
+        row["rejection_latency_ms"] = {
+            k: median([dig(r, "non_2xx_latency_inferred", f"{k}_ms") for r in runs]) for k in ("p50", "p99", "p99.9")
+        }
+        row["rejection_latency_separable"] = all(dig(r, "non_2xx_latency_inferred", "separable") for r in runs)
     return row
 
 
@@ -195,9 +232,12 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
         "",
     ]
     has_probe = any("probe_latency_ms" in r for r in rows)
+    has_rejections = any("rejection_latency_ms" in r for r in rows)
     header = ["variant", x_name, "runs × s", "ok req/s", "limit req/s", "efficiency", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "non-2xx", "socket errors"]
     if has_probe:
         header += ["probe p50 ms", "probe p99 ms", "probe p99.9 ms"]
+    if has_rejections:
+        header += ["non-2xx p50 ms (client)", "non-2xx p99 ms (client)", "non-2xx p99.9 ms (client)"]
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         lat = r["latency_ms"]
@@ -210,7 +250,14 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
         if has_probe:
             p = r.get("probe_latency_ms", {})
             cells += [fmt(p.get("p50"), 2), fmt(p.get("p99"), 2), fmt(p.get("p99.9"), 2)]
+        if has_rejections:
+            q = r.get("rejection_latency_ms", {})
+            cells += [fmt(q.get("p50"), 2), fmt(q.get("p99"), 2), fmt(q.get("p99.9"), 2)]
         out.append("| " + " | ".join(cells) + " |")
+    if has_rejections:
+        out += ["", "Client-side latency of the non-2xx answers is read off wrk's distribution as its fastest "
+                "share (the share of non-2xx answers); it is shown only when every non-2xx answer was faster than "
+                "every 2xx one (checked per run), and is `–` otherwise."]
     bases = list(dict.fromkeys(r["limit_basis"] for r in rows))
     out += ["", "Limit: " + "; ".join(bases) + ".", "", "## Resources", ""]
     procs = list(dict.fromkeys(name for r in rows for name in r["process_cpu_util"]))
@@ -225,12 +272,16 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
     if any("gateway_metrics" in r for r in rows):
         out += ["", "## Gateway metrics (deltas of /metrics over the measured window)", ""]
         keys = [
-            ("pool_wait_mean_ms", "pool acquire wait mean ms", 3), ("pool_wait_p99_ms", "pool acquire wait p99 ms", 2),
-            ("pool_timeouts", "pool acquire timeouts", 0), ("db_query_p99_ms", "recent_orders query p99 ms", 2),
-            ("server_2xx_p99_ms", "server-side 200 p99 ms", 1), ("server_503_count", "503s", 0),
-            ("server_503_p99_ms", "server-side 503 p99 ms", 2), ("server_503_le_1ms", "503s answered ≤ 1 ms", None),
-            ("admission_rejections", "admission rejections", 0), ("gateway_overhead_p99_ms", "fan-out overhead p99 ms", 2),
-            ("long_polls", "long polls", 0), ("scheduling_lag_p99_ms", "scheduling lag p99 ms", 2),
+            ("pool_wait_mean_ms", "pool acquire wait mean ms", 3), ("pool_wait_p99_ms", "pool acquire wait p99 bucket ms", 2),
+            ("pool_timeouts", "pool acquire timeouts", 0), ("db_query_p99_ms", "recent_orders query p99 bucket ms", 2),
+            ("server_2xx_p99_ms", "server-side 200 p99 bucket ms", 1), ("server_503_count", "503s", 0),
+            ("server_503_p99_ms", "server-side 503 p99 bucket ms", 2), ("server_503_le_1ms", "503s answered ≤ 1 ms", None),
+            ("admission_rejections", "admission rejections", 0), ("gateway_overhead_p99_ms", "fan-out overhead p99 bucket ms", 2),
+            ("long_polls", "long polls", 0), ("scheduling_lag_p99_ms", "scheduling lag p99 bucket ms", 2),
+            ("admitted_over_1s", "200s slower than 1 s", 0), ("degraded_recent_orders", "recent_orders degraded", 0),
+            ("degraded_parts", "parts degraded", 0), ("active_requests_mean", "in flight (mean)", 0),
+            ("pool_in_use_mean", "pool in use (mean, L)", 2), ("little_pool", "λ·W (Little)", 2),
+            ("pool_waiters_mean", "pool waiters (mean)", 1),
         ]
         present = [k for k in keys if any(dig(r, "gateway_metrics", k[0]) is not None for r in rows)]
         header = ["variant", x_name] + [k[1] for k in present]
@@ -241,8 +292,10 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
                 value = dig(r, "gateway_metrics", key)
                 cells.append(pct(value) if digits is None else fmt(value, digits))
             out.append("| " + " | ".join(cells) + " |")
-        out += ["", "Server-side quantiles are interpolated inside the histogram buckets (1 ms, 2.5 ms, 5 ms, …), "
-                "so they are bucket-accurate, not exact."]
+        out += ["", "Server-side p99s are given as the histogram bucket that holds them (e.g. `100–250` ms): "
+                "that is all a Prometheus histogram knows. \"≤ 1 ms\" uses the request histogram's 1 ms bucket; "
+                "λ·W is Little's law for the pool with W = two round trips of the recent_orders query; "
+                "in-flight and pool-in-use means are sampled from /metrics once a second."]
     out += ["", "![plot](plot.png)", "", "One JSON per run is in `runs/` (wrk command, per-process CPU, core "
             "busy fractions, RSS samples, metric deltas).", ""]
     return "\n".join(out)

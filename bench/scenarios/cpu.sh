@@ -4,8 +4,8 @@ source "$(dirname "$0")/../lib/common.sh"
 bench_init cpu
 
 conns=$(bench_pick 16 4)
-reps=$(bench_pick 3 1)
-duration=$(bench_pick 10 3)
+reps=${BENCH_REPS:-$(bench_pick 3 1)}
+duration=${BENCH_DURATION:-$(bench_pick 10 3)}
 warmup=$(bench_pick 2 1)
 # One core does at most 1 / 5 ms = 200 hashes per second, whatever the concurrency allows.
 limit=200

@@ -4,8 +4,8 @@ source "$(dirname "$0")/../lib/common.sh"
 bench_init mixed
 
 read -r -a levels <<<"$(bench_pick "4 32" "4")"
-reps=$(bench_pick 3 1)
-duration=$(bench_pick 10 3)
+reps=${BENCH_REPS:-$(bench_pick 3 1)}
+duration=${BENCH_DURATION:-$(bench_pick 10 3)}
 warmup=$(bench_pick 2 1)
 
 for rep in $(seq 1 "$reps"); do

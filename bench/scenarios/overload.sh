@@ -7,8 +7,8 @@ bench_init overload
 
 max_in_flight=$(bench_pick 50 2)
 conns=$((max_in_flight * 10))
-reps=$(bench_pick 3 1)
-duration=$(bench_pick 15 3)
+reps=${BENCH_REPS:-$(bench_pick 3 1)}
+duration=${BENCH_DURATION:-$(bench_pick 15 3)}
 warmup=$(bench_pick 3 1)
 limit=$((max_in_flight * 10))
 basis="admitted: $max_in_flight permits ÷ 100 ms downstream = $limit req/s ($conns connections offered)"

@@ -4,8 +4,8 @@ source "$(dirname "$0")/../lib/common.sh"
 bench_init pinning
 
 conns=$(bench_pick 16 4)
-reps=$(bench_pick 3 1)
-duration=$(bench_pick 10 3)
+reps=${BENCH_REPS:-$(bench_pick 3 1)}
+duration=${BENCH_DURATION:-$(bench_pick 10 3)}
 warmup=$(bench_pick 2 1)
 # Every request runs the 5 ms loader (fresh key), and the loader is I/O, not CPU.
 limit=$((conns * 200))

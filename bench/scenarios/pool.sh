@@ -4,9 +4,9 @@
 source "$(dirname "$0")/../lib/common.sh"
 bench_init pool
 
-read -r -a sizes <<<"$(bench_pick "2 3 4 6 8 16 32 64 200" "2 8")"
+read -r -a sizes <<<"$(bench_pick "1 2 3 4 8 16 64 200" "2 8")"
 conns=$(bench_pick 500 8)
-duration=$(bench_pick 15 3)
+duration=${BENCH_DURATION:-$(bench_pick 15 3)}
 warmup=$(bench_pick 3 1)
 limit=$((conns * 10))
 basis="Little's law: $conns connections ÷ 100 ms downstream = $limit req/s"

@@ -5,8 +5,8 @@ source "$(dirname "$0")/../lib/common.sh"
 bench_init seed-baseline
 
 conns=$(bench_pick 500 8)
-reps=$(bench_pick 3 1)
-duration=$(bench_pick 60 5)
+reps=${BENCH_REPS:-$(bench_pick 3 1)}
+duration=${BENCH_DURATION:-$(bench_pick 60 5)}
 warmup=$(bench_pick 5 1)
 limit=$((conns * 10))
 basis="Little's law: $conns connections ÷ 100 ms downstream = $limit req/s"

@@ -5,7 +5,7 @@ source "$(dirname "$0")/../lib/common.sh"
 bench_init sweep
 
 read -r -a levels <<<"$(bench_pick "100 250 500 1000 2000 5000 10000" "4 16")"
-duration=$(bench_pick 15 3)
+duration=${BENCH_DURATION:-$(bench_pick 15 3)}
 warmup=$(bench_pick 3 1)
 
 # Where the sweep must stop: every connection is a file descriptor in wrk and in the gateway, and
