@@ -15,8 +15,8 @@
 #   3. a fresh database (tributary_obs_check on the local Postgres), `tributary migrate` and
 #      `tributary seed`, three downstream simulators (healthy, slow, flaky), the gateway with a tiny
 #      admission limit, a tiny pool, rate limiting with an unreachable Redis and a low long-poll
-#      threshold, so that shedding, degradation, timeouts, retries, an open circuit, 429s, Redis
-#      fallbacks and long polls all happen; Prometheus with a copy of prometheus/prometheus.yml
+#      threshold, and one downstream not listening at all, so that shedding, degradation, timeouts,
+#      errors, retries, an open circuit, 429s, Redis fallbacks and long polls all happen; Prometheus with a copy of prometheus/prometheus.yml
 #      scraping the gateway every second;
 #   4. bounded traffic (wrk plus curl loops: dashboards, order POSTs with Idempotency-Key, order
 #      GETs, bad requests, 404s);
@@ -164,8 +164,9 @@ SIM_FLAKY=$(free_port)
 GATEWAY=$(free_port)
 PROM=$(free_port)
 REDIS_CLOSED=$(free_port) # nothing listens here: every Redis call fails and falls back
+SIM_DOWN=$(free_port)     # nor here: notifications is "down", its calls fail to connect and are retried
 
-# Healthy: users, carts, notifications.
+# Healthy: users, carts.
 "$BIN_DIR/downstream-sim" --listen "127.0.0.1:$SIM_OK" --latency 5ms --latency-jitter 3ms \
   >"$OBS_WORK/sim-ok.log" 2>&1 &
 PIDS+=("$!")
@@ -173,7 +174,8 @@ PIDS+=("$!")
 "$BIN_DIR/downstream-sim" --listen "127.0.0.1:$SIM_SLOW" --latency 400ms \
   >"$OBS_WORK/sim-slow.log" 2>&1 &
 PIDS+=("$!")
-# Fails 60% of calls: errors, retries, and an opened circuit for recommendations.
+# Answers 500 to 60% of calls: errors (not retried: a 500 is not transient) and an opened circuit
+# for recommendations.
 "$BIN_DIR/downstream-sim" --listen "127.0.0.1:$SIM_FLAKY" --latency 5ms --error-rate 0.6 \
   >"$OBS_WORK/sim-flaky.log" 2>&1 &
 PIDS+=("$!")
@@ -186,7 +188,7 @@ pass "three downstream simulators answer /healthz"
   export TRIBUTARY_SERVER__LISTEN=127.0.0.1:$GATEWAY
   export TRIBUTARY_DOWNSTREAMS__USERS__BASE_URL=http://127.0.0.1:$SIM_OK
   export TRIBUTARY_DOWNSTREAMS__CARTS__BASE_URL=http://127.0.0.1:$SIM_OK
-  export TRIBUTARY_DOWNSTREAMS__NOTIFICATIONS__BASE_URL=http://127.0.0.1:$SIM_OK
+  export TRIBUTARY_DOWNSTREAMS__NOTIFICATIONS__BASE_URL=http://127.0.0.1:$SIM_DOWN
   export TRIBUTARY_DOWNSTREAMS__PROMOTIONS__BASE_URL=http://127.0.0.1:$SIM_SLOW
   export TRIBUTARY_DOWNSTREAMS__PROMOTIONS__TIMEOUT=150ms
   export TRIBUTARY_DOWNSTREAMS__RECOMMENDATIONS__BASE_URL=http://127.0.0.1:$SIM_FLAKY
