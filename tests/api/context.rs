@@ -1,0 +1,78 @@
+//! The task-local request context under concurrency: no request ever sees another's.
+
+use std::collections::HashMap;
+
+use futures::future::join_all;
+use serde_json::Value;
+
+use std::time::Duration;
+
+use crate::helpers::spawn_app_with;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_never_see_each_others_context() {
+    // Generous budgets: this test is about isolation, and a debug build on a busy CI machine
+    // must not turn it into a latency test.
+    let app = spawn_app_with(|s| {
+        s.server.request_deadline = Duration::from_secs(20);
+        for d in [
+            &mut s.downstreams.users,
+            &mut s.downstreams.carts,
+            &mut s.downstreams.recommendations,
+            &mut s.downstreams.promotions,
+            &mut s.downstreams.notifications,
+        ] {
+            d.timeout = Duration::from_secs(10);
+        }
+        s.database.acquire_timeout = Duration::from_secs(10);
+    })
+    .await;
+    let n = 200;
+    let responses = join_all((1..=n).map(|user| {
+        let req = app
+            .client
+            .get(app.url(&format!("/api/v1/dashboard/{user}")))
+            .header("x-request-id", format!("iso-{user}"))
+            .header(
+                "traceparent",
+                format!("00-{:032x}-00f067aa0ba902b7-01", user),
+            )
+            .send();
+        async move {
+            let resp = req.await.unwrap();
+            let echoed = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+            let body: Value = resp.json().await.unwrap();
+            (user, echoed, body)
+        }
+    }))
+    .await;
+    for (user, echoed, body) in responses {
+        assert_eq!(echoed, format!("iso-{user}"));
+        assert_eq!(body["user_id"], user, "{body}");
+        assert_eq!(body["profile"]["user_id"], user);
+    }
+
+    // Inside the downstream calls: every call carried its own request's id and trace id.
+    let journal = app.sim.sim.journal();
+    assert_eq!(journal.len(), 5 * n as usize);
+    let mut per_request: HashMap<String, usize> = HashMap::new();
+    for seen in &journal {
+        let id = seen
+            .request_id
+            .clone()
+            .expect("x-request-id on every downstream call");
+        assert_eq!(id, format!("iso-{}", seen.user_id), "{seen:?}");
+        let tp = seen
+            .traceparent
+            .as_deref()
+            .expect("traceparent on every call");
+        assert_eq!(
+            &tp[3..35],
+            format!("{:032x}", seen.user_id),
+            "trace id of another request: {seen:?}"
+        );
+        *per_request.entry(id).or_default() += 1;
+    }
+    assert_eq!(per_request.len(), n as usize);
+    assert!(per_request.values().all(|c| *c == 5));
+}

@@ -1,0 +1,88 @@
+//! Liveness, readiness and graceful shutdown.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::helpers::{fresh_database, spawn_app, spawn_app_with};
+
+#[tokio::test]
+async fn healthz_and_readyz_are_ok_when_the_database_is_migrated() {
+    let app = spawn_app().await;
+    assert_eq!(app.get("/healthz").await.status(), 200);
+    let resp = app.get("/readyz").await;
+    assert_eq!(resp.status(), 200);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["database"], "ok");
+}
+
+#[tokio::test]
+async fn readyz_is_503_while_the_database_is_unreachable_but_healthz_stays_200() {
+    // A port nothing listens on: the database is down for the whole test.
+    let unused = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let app = spawn_app_with(|s| {
+        s.database.url =
+            tributary::config::Secret::new(format!("postgres://postgres@{unused}/nothing"));
+        s.database.run_migrations = false;
+        s.database.acquire_timeout = Duration::from_millis(300);
+    })
+    .await;
+    assert_eq!(app.get("/healthz").await.status(), 200);
+    let resp = app.get("/readyz").await;
+    assert_eq!(resp.status(), 503);
+    let body: Value = resp.json().await.unwrap();
+    assert!(
+        body["database"].as_str().unwrap().contains("unreachable"),
+        "{body}"
+    );
+    // The dashboard still answers, without its database part.
+    let body: Value = app.get("/api/v1/dashboard/1").await.json().await.unwrap();
+    assert_eq!(body["degraded"], serde_json::json!(["recent_orders"]));
+}
+
+#[tokio::test]
+async fn readyz_is_503_until_migrations_are_applied() {
+    let db = fresh_database().await;
+    let url = crate::helpers::server_url();
+    let url = format!("{}/{db}", url.rsplit_once('/').unwrap().0);
+    let app = spawn_app_with(|s| {
+        s.database.url = tributary::config::Secret::new(url);
+        s.database.run_migrations = false;
+    })
+    .await;
+    let body: Value = app.get("/readyz").await.json().await.unwrap();
+    assert!(
+        body["database"].as_str().unwrap().contains("unreachable")
+            || body["database"].as_str().unwrap().contains("migrations"),
+        "{body}"
+    );
+    app.state.db.migrate().await.unwrap();
+    assert_eq!(app.get("/readyz").await.status(), 200);
+}
+
+#[tokio::test]
+async fn shutdown_lets_in_flight_requests_finish_and_stops_accepting() {
+    let mut app = spawn_app().await;
+    for service in tributary::sim::SERVICES {
+        app.set_service(service, |b| b.latency = Duration::from_millis(400));
+    }
+    let in_flight = tokio::spawn(app.client.get(app.url("/api/v1/dashboard/1")).send());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    app.stop().await.expect("clean shutdown");
+    let resp = in_flight
+        .await
+        .unwrap()
+        .expect("the in-flight request was answered");
+    assert_eq!(resp.status(), 200);
+    assert!(
+        reqwest::Client::new()
+            .get(app.url("/healthz"))
+            .send()
+            .await
+            .is_err(),
+        "no new connections after shutdown"
+    );
+}

@@ -1,0 +1,305 @@
+//! The test harness: a real gateway on an ephemeral port, in front of a real simulator on
+//! another ephemeral port and a fresh, migrated Postgres database of its own.
+//!
+//! Postgres is found through `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`,
+//! the server compose exposes and the one CI starts); each test creates `tributary_test_<uuid>`
+//! there and drops it when the `TestApp` is dropped.
+
+use std::{
+    net::SocketAddr,
+    sync::{Arc, Mutex, OnceLock},
+    time::Duration,
+};
+
+use axum::Router;
+use serde_json::Value;
+use sqlx::{Connection, Executor, PgConnection, PgPool};
+use tokio::{sync::oneshot, task::JoinHandle};
+use tributary::{
+    Application, Settings,
+    http::AppState,
+    sim::{self, Behaviour, Mode, SimHandle},
+};
+
+/// The Postgres server tests create their databases on.
+pub fn server_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+fn url_for(db: &str) -> String {
+    let base = server_url();
+    let (prefix, _) = base
+        .rsplit_once('/')
+        .expect("DATABASE_URL has a database path");
+    format!("{prefix}/{db}")
+}
+
+/// Log lines the gateway wrote during tests (warnings and above), for assertions on logging.
+pub fn captured_logs() -> &'static Arc<Mutex<Vec<u8>>> {
+    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let writer = {
+            let buf = Arc::clone(&buf);
+            move || LogWriter(Arc::clone(&buf))
+        };
+        let _ = tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_env_filter("warn,tributary=warn")
+            .with_writer(writer)
+            .try_init();
+        buf
+    })
+}
+
+struct LogWriter(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(data);
+        Ok(data.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+pub fn log_lines() -> Vec<Value> {
+    let bytes = captured_logs().lock().unwrap().clone();
+    String::from_utf8_lossy(&bytes)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+pub struct TestApp {
+    pub addr: SocketAddr,
+    pub client: reqwest::Client,
+    pub sim: SimHandle,
+    pub db: PgPool,
+    pub db_name: String,
+    pub state: AppState,
+    shutdown: Option<oneshot::Sender<()>>,
+    server: Option<JoinHandle<anyhow::Result<()>>>,
+}
+
+/// Settings for a test: everything on loopback, short timeouts, downstreams at `sim_url`.
+pub fn test_settings(sim_url: &str, database_url: &str) -> Settings {
+    let mut s = Settings::default();
+    s.server.listen = "127.0.0.1:0".parse().unwrap();
+    s.server.request_deadline = Duration::from_millis(1500);
+    s.server.drain_timeout = Duration::from_secs(5);
+    s.database.url = tributary::config::Secret::new(database_url);
+    s.database.min_connections = 0;
+    s.database.max_connections = 5;
+    s.database.max_replicas = 1;
+    for d in [
+        &mut s.downstreams.users,
+        &mut s.downstreams.carts,
+        &mut s.downstreams.recommendations,
+        &mut s.downstreams.promotions,
+        &mut s.downstreams.notifications,
+    ] {
+        d.base_url = sim_url.to_owned();
+        d.timeout = Duration::from_millis(500);
+    }
+    s.telemetry.long_poll_threshold = Duration::from_millis(50);
+    s
+}
+
+/// Creates and migrates a fresh database; returns its name.
+pub async fn fresh_database() -> String {
+    let name = format!("tributary_test_{}", uuid::Uuid::new_v4().simple());
+    let mut conn = PgConnection::connect(&server_url())
+        .await
+        .expect("Postgres must be reachable at DATABASE_URL (see README: Tests)");
+    conn.execute(sqlx::AssertSqlSafe(format!(r#"CREATE DATABASE "{name}""#)))
+        .await
+        .expect("create test database");
+    name
+}
+
+pub async fn spawn_app() -> TestApp {
+    spawn_app_with(|_| {}).await
+}
+
+pub async fn spawn_app_with(configure: impl FnOnce(&mut Settings)) -> TestApp {
+    spawn_app_full(
+        configure,
+        Router::new(),
+        Behaviour {
+            latency: Duration::from_millis(5),
+            ..Behaviour::default()
+        },
+    )
+    .await
+}
+
+/// The general form: settings tweaks, extra routes behind the request layer, simulator defaults.
+pub async fn spawn_app_full(
+    configure: impl FnOnce(&mut Settings),
+    extra: Router<AppState>,
+    behaviour: Behaviour,
+) -> TestApp {
+    captured_logs();
+    let sim = sim::spawn("127.0.0.1:0".parse().unwrap(), behaviour)
+        .await
+        .expect("simulator starts");
+    let db_name = fresh_database().await;
+    let mut settings = test_settings(&sim.base_url(), &url_for(&db_name));
+    configure(&mut settings);
+    let app = Application::build_with(settings, extra)
+        .await
+        .expect("application builds");
+    let addr = app.local_addr();
+    let state = app.state().clone();
+    let (tx, rx) = oneshot::channel();
+    let server = tokio::spawn(app.run_until_stopped(async {
+        let _ = rx.await;
+    }));
+    let db = PgPool::connect(&url_for(&db_name))
+        .await
+        .expect("test pool");
+    TestApp {
+        addr,
+        client: reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap(),
+        sim,
+        db,
+        db_name,
+        state,
+        shutdown: Some(tx),
+        server: Some(server),
+    }
+}
+
+impl TestApp {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        self.client
+            .get(self.url(path))
+            .send()
+            .await
+            .expect("request")
+    }
+
+    pub async fn seed(&self, users: i64, orders_per_user: i32) {
+        self.state
+            .db
+            .seed(users, orders_per_user)
+            .await
+            .expect("seed");
+    }
+
+    /// Changes one simulated service's behaviour.
+    pub fn set_service(&self, service: &str, change: impl FnOnce(&mut Behaviour)) {
+        let mut b = self.sim.sim.behaviour(service).expect("known service");
+        change(&mut b);
+        self.sim.sim.set(service, b);
+    }
+
+    pub fn hang(&self, service: &str) {
+        self.set_service(service, |b| b.mode = Mode::Hang);
+    }
+
+    /// The gateway's `/metrics` text.
+    pub async fn metrics(&self) -> String {
+        self.get("/metrics").await.text().await.unwrap()
+    }
+
+    /// Stops the server gracefully and waits for it.
+    pub async fn stop(&mut self) -> anyhow::Result<()> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        match self.server.take() {
+            Some(handle) => handle.await.expect("server task"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        let name = self.db_name.clone();
+        // Dropping a database needs async I/O; do it on a thread with its own runtime, because
+        // the test's runtime is blocked in this very `drop`. The pools' connections belong to
+        // that runtime, so they are not closed here: `WITH (FORCE)` ends them server-side.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                if let Ok(mut conn) = PgConnection::connect(&server_url()).await {
+                    let _ = conn
+                        .execute(sqlx::AssertSqlSafe(format!(
+                            r#"DROP DATABASE IF EXISTS "{name}" WITH (FORCE)"#
+                        )))
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// Polls `check` every 20 ms until it returns true or `within` passes.
+pub async fn eventually(within: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if check() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The value of a Prometheus sample with exactly these labels (in any order), if present.
+pub fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let (metric, rest) = match series.split_once('{') {
+                Some((m, r)) => (m, r.trim_end_matches('}')),
+                None => (series, ""),
+            };
+            if metric != name {
+                return None;
+            }
+            let all = labels
+                .iter()
+                .all(|(k, v)| rest.split(',').any(|kv| kv == format!("{k}=\"{v}\"")));
+            all.then(|| value.parse().ok()).flatten()
+        })
+}
+
+/// A problem document's fields, asserting the content type.
+pub async fn problem(resp: reqwest::Response) -> (u16, Value) {
+    let status = resp.status().as_u16();
+    let ct = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    assert_eq!(ct, "application/problem+json", "status {status}");
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["status"], status);
+    (status, body)
+}

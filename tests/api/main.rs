@@ -1,0 +1,8 @@
+//! Integration tests: the real gateway, a real simulator and a real Postgres, on ephemeral
+//! ports. One binary, helpers in one file, a module per concern.
+
+mod context;
+mod dashboard;
+mod health;
+mod helpers;
+mod orders;

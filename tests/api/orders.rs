@@ -1,0 +1,165 @@
+//! Idempotent order creation and read-back.
+
+use futures::future::join_all;
+use serde_json::{Value, json};
+
+use crate::helpers::{TestApp, problem, spawn_app};
+
+fn order(user_id: i64) -> Value {
+    json!({"user_id": user_id, "items": [
+        {"sku": "SKU-1", "quantity": 2, "unit_price_cents": 1250},
+        {"sku": "SKU-2", "quantity": 1, "unit_price_cents": 499}
+    ]})
+}
+
+async fn post(app: &TestApp, key: Option<&str>, body: &Value) -> reqwest::Response {
+    let mut req = app.client.post(app.url("/api/v1/orders")).json(body);
+    if let Some(k) = key {
+        req = req.header("idempotency-key", k);
+    }
+    req.send().await.unwrap()
+}
+
+async fn orders_of(app: &TestApp, user_id: i64) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM orders WHERE user_id = $1")
+        .bind(user_id)
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn an_order_is_created_in_one_transaction_and_reads_back() {
+    let app = spawn_app().await;
+    let resp = post(&app, Some("k-create"), &order(42)).await;
+    assert_eq!(resp.status(), 201);
+    let created: Value = resp.json().await.unwrap();
+    assert_eq!(created["total_cents"], 2 * 1250 + 499);
+    assert_eq!(created["status"], "created");
+    assert_eq!(created["items"].as_array().unwrap().len(), 2);
+    let items: i64 = sqlx::query_scalar("SELECT count(*) FROM order_items WHERE order_id = $1")
+        .bind(created["id"].as_i64().unwrap())
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(items, 2);
+
+    let read: Value = app
+        .get(&format!("/api/v1/orders/{}", created["id"]))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(read, created);
+}
+
+#[tokio::test]
+async fn the_same_key_and_body_replays_and_a_different_body_conflicts() {
+    let app = spawn_app().await;
+    let first = post(&app, Some("k-replay"), &order(7)).await;
+    assert_eq!(first.status(), 201);
+    let first_body = first.text().await.unwrap();
+
+    // Same order, different formatting and key order: still a replay.
+    let same = json!({"items": order(7)["items"], "user_id": 7});
+    let again = post(&app, Some("k-replay"), &same).await;
+    assert_eq!(again.status(), 201);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.text().await.unwrap(), first_body);
+    assert_eq!(orders_of(&app, 7).await, 1);
+
+    let (status, body) = problem(post(&app, Some("k-replay"), &order(8)).await).await;
+    assert_eq!(status, 409);
+    assert_eq!(body["type"], "/problems/idempotency-conflict");
+    assert_eq!(orders_of(&app, 8).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_create_exactly_one_order() {
+    let app = spawn_app().await;
+    let body = order(99);
+    let responses = join_all((0..20).map(|_| post(&app, Some("k-race"), &body))).await;
+    let mut ids = Vec::new();
+    for resp in responses {
+        assert_eq!(resp.status(), 201);
+        let body: Value = resp.json().await.unwrap();
+        ids.push(body["id"].as_i64().unwrap());
+    }
+    ids.dedup();
+    assert_eq!(ids.len(), 1, "every duplicate got the same order");
+    assert_eq!(orders_of(&app, 99).await, 1);
+}
+
+#[tokio::test]
+async fn invalid_orders_are_400_problems_that_name_the_field() {
+    let app = spawn_app().await;
+    let (status, body) = problem(post(&app, None, &order(1)).await).await;
+    assert_eq!(
+        (status, body["field"].as_str()),
+        (400, Some("Idempotency-Key"))
+    );
+
+    let cases = [
+        (json!({"user_id": 0, "items": order(1)["items"]}), "user_id"),
+        (json!({"user_id": 1, "items": []}), "items"),
+        (
+            json!({"user_id": 1, "items": [{"sku": "A", "quantity": 0, "unit_price_cents": 1}]}),
+            "items[0].quantity",
+        ),
+        (
+            json!({"user_id": 1, "items": [{"sku": "A", "quantity": 1, "unit_price_cents": -1}]}),
+            "items[0].unit_price_cents",
+        ),
+        (
+            json!({"user_id": 1, "items": [{"sku": "", "quantity": 1, "unit_price_cents": 1}]}),
+            "items[0].sku",
+        ),
+        (
+            json!({"user_id": 1, "items": [{"sku": "A", "quantity": "two", "unit_price_cents": 1}]}),
+            "items[0].quantity",
+        ),
+        (json!({"user_id": "x", "items": []}), "user_id"),
+        (
+            json!({"user_id": 1, "items": [], "coupon": "FREE"}),
+            "coupon",
+        ),
+    ];
+    for (body, field) in cases {
+        let (status, problem) = problem(post(&app, Some("k-bad"), &body).await).await;
+        assert_eq!(status, 400, "{body}");
+        assert!(
+            problem["field"].as_str().unwrap().contains(field)
+                || problem["detail"].as_str().unwrap().contains(field),
+            "expected {field} in {problem} for {body}"
+        );
+    }
+    let resp = app
+        .client
+        .post(app.url("/api/v1/orders"))
+        .header("idempotency-key", "k")
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(problem(resp).await.0, 400);
+    assert_eq!(
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders")
+            .fetch_one(&app.db)
+            .await
+            .unwrap(),
+        0
+    );
+}
+
+#[tokio::test]
+async fn oversized_bodies_are_413_and_unknown_orders_404() {
+    let app = spawn_app().await;
+    let huge = json!({"user_id": 1, "items": [{"sku": "A".repeat(100_000), "quantity": 1, "unit_price_cents": 1}]});
+    let (status, _) = problem(post(&app, Some("k-huge"), &huge).await).await;
+    assert_eq!(status, 413);
+    let (status, _) = problem(app.get("/api/v1/orders/123456").await).await;
+    assert_eq!(status, 404);
+    let (status, body) = problem(app.get("/api/v1/orders/nope").await).await;
+    assert_eq!((status, body["field"].as_str()), (400, Some("id")));
+}
