@@ -4,7 +4,8 @@
 Used by .ci/check-observability.sh; stdlib only apart from PyYAML.
 
   check_queries.py static
-      Without Prometheus. Dashboards: unique uids and panel ids, a description
+      Without Prometheus. alerts_test.yml has a firing and a silent case for
+      every alert. Dashboards: unique uids and panel ids, a description
       on every panel, the provisioned datasource uid on every panel and
       target, every $variable defined, multi-value variables only inside
       =~/!~ matchers, a unit on every graph. Then every dashboard expression
@@ -500,6 +501,18 @@ def cmd_static(_args) -> int:
     report.check(res.returncode == 0, f"promtool parses all {len(queries)} dashboard expressions",
                  (res.stdout + res.stderr).strip().replace("\n", " | ") if res.returncode else "")
     Path(tmp).unlink()
+
+    # Every alert has a unit test that fires it and one that does not.
+    tests = yaml.safe_load((ROOT / "prometheus" / "alerts_test.yml").read_text())
+    firing, silent = set(), set()
+    for t in tests.get("tests", []):
+        for a in t.get("alert_rule_test", []):
+            (firing if a.get("exp_alerts") else silent).add(a["alertname"])
+    for name, _ in alert_exprs():
+        report.check(name in firing and name in silent,
+                     f"alerts_test.yml has a firing and a silent case for {name}",
+                     "" if name in firing and name in silent else
+                     f"firing case: {name in firing}, silent case: {name in silent}")
 
     # The compose file must mount the files where the configs expect them.
     if COMPOSE.exists():
