@@ -155,6 +155,9 @@ fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Serve | Command::Migrate | Command::Seed { .. } => {
+            // Before the runtime exists: the OTLP exporter's blocking HTTP client must be built
+            // (and later dropped) outside async context.
+            let _tracing = telemetry::init_tracing(&settings.telemetry)?;
             let mut runtime = tokio::runtime::Builder::new_multi_thread();
             runtime.enable_all();
             if let Some(n) = settings.server.worker_threads {
@@ -166,7 +169,6 @@ fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
 }
 
 async fn async_main(command: Command, settings: Settings) -> anyhow::Result<()> {
-    let _tracing = telemetry::init_tracing(&settings.telemetry)?;
     match command {
         Command::Migrate => {
             let db = Db::connect_lazy(&settings.database)?;

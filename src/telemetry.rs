@@ -651,6 +651,7 @@ mod otel {
         } else {
             format!("{endpoint}/v1/traces")
         };
+        crate::downstream::install_tls_provider();
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .with_protocol(Protocol::HttpBinary)

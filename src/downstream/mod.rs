@@ -123,12 +123,16 @@ impl CallError {
     }
 }
 
+/// reqwest's rustls backend (ours and the OTLP exporter's) uses the process-wide crypto
+/// provider; a second install is harmless (tests build many clients), so its error is ignored.
+pub fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// The shared HTTP client: one connection pool for all downstreams, keep-alive on, sized for
 /// the admission limit so that steady load reuses connections instead of opening new ones.
 pub fn build_client(settings: &HttpClientSettings) -> anyhow::Result<reqwest::Client> {
-    // reqwest's rustls backend uses the process-wide crypto provider; installing it twice is
-    // harmless (tests build many clients), so the error of a second install is ignored.
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    install_tls_provider();
     Ok(reqwest::Client::builder()
         .pool_max_idle_per_host(settings.pool_max_idle_per_host)
         .pool_idle_timeout(settings.pool_idle_timeout)
@@ -338,11 +342,13 @@ impl Downstream {
             .client
             .get(url)
             .header(BUDGET_HEADER, timeout.as_millis() as u64);
-        if let Some(ctx) = crate::context::current() {
-            if let Ok(id) = HeaderValue::from_str(&ctx.request_id) {
-                request = request.header("x-request-id", id);
-            }
-            request = request.header("traceparent", ctx.traceparent());
+        if let Some(ctx) = crate::context::current()
+            && let Ok(id) = HeaderValue::from_str(&ctx.request_id)
+        {
+            request = request.header("x-request-id", id);
+        }
+        if let Some(traceparent) = crate::telemetry::outgoing_traceparent() {
+            request = request.header("traceparent", traceparent);
         }
         let exchange = async {
             let response = request

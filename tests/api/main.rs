@@ -5,4 +5,5 @@ mod context;
 mod dashboard;
 mod health;
 mod helpers;
+mod observability;
 mod orders;
