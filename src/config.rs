@@ -593,10 +593,11 @@ impl Settings {
                 a.min_limit, a.initial_limit, a.max_limit
             ));
         }
-        if !(a.tolerance >= 1.0) {
+        // Written so that NaN is rejected too.
+        if a.tolerance.is_nan() || a.tolerance < 1.0 {
             problems.push("admission.adaptive.tolerance must be >= 1.0".into());
         }
-        if !(a.smoothing > 0.0 && a.smoothing <= 1.0) {
+        if a.smoothing.is_nan() || a.smoothing <= 0.0 || a.smoothing > 1.0 {
             problems.push("admission.adaptive.smoothing must be in (0, 1]".into());
         }
         for (name, r) in [

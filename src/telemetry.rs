@@ -152,10 +152,10 @@ fn random_hex(bytes: usize) -> String {
 /// exported (so the callee's spans hang under this call's span), the request's otherwise.
 pub fn outgoing_traceparent() -> Option<String> {
     #[cfg(feature = "otel")]
-    if otel_active() {
-        if let Some(tp) = otel::current_traceparent() {
-            return Some(tp);
-        }
+    if otel_active()
+        && let Some(tp) = otel::current_traceparent()
+    {
+        return Some(tp);
     }
     crate::context::current().map(|c| c.traceparent())
 }
@@ -233,10 +233,10 @@ impl Telemetry {
         headers: &HeaderMap,
     ) -> TraceIds {
         #[cfg(feature = "otel")]
-        if otel_active() {
-            if let Some(ids) = otel::attach(span, headers) {
-                return ids;
-            }
+        if otel_active()
+            && let Some(ids) = otel::attach(span, headers)
+        {
+            return ids;
         }
         let _ = (span, headers);
         TraceIds {
