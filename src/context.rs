@@ -44,6 +44,8 @@ pub struct TraceIds {
     pub trace_id: String,
     pub span_id: String,
     pub sampled: bool,
+    /// The caller's `tracestate`, forwarded unchanged (vendor data we do not interpret).
+    pub tracestate: Option<String>,
 }
 
 impl RequestContext {
@@ -117,6 +119,7 @@ mod tests {
                 trace_id: "0af7651916cd43dd8448eb211c80319c".into(),
                 span_id: "b7ad6b7169203331".into(),
                 sampled: true,
+                tracestate: None,
             },
             Instant::now() + Duration::from_secs(1),
         ))

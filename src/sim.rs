@@ -93,6 +93,7 @@ pub struct Seen {
     pub user_id: i64,
     pub request_id: Option<String>,
     pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
     pub budget_ms: Option<u64>,
 }
 
@@ -238,6 +239,7 @@ async fn serve(
         user_id,
         request_id: header("x-request-id"),
         traceparent: header("traceparent"),
+        tracestate: header("tracestate"),
         budget_ms: header("x-request-budget-ms").and_then(|v| v.parse().ok()),
     });
 

@@ -148,16 +148,19 @@ fn random_hex(bytes: usize) -> String {
     hex::encode(&buf[..bytes])
 }
 
-/// The `traceparent` for an outgoing call made now: the current span's ids when spans are
-/// exported (so the callee's spans hang under this call's span), the request's otherwise.
-pub fn outgoing_traceparent() -> Option<String> {
+/// W3C trace headers for an outgoing call made now: the current span's ids when spans are
+/// exported (so the callee's spans hang under this call's span), the request's otherwise; the
+/// caller's `tracestate` is passed on either way.
+pub fn outgoing_trace_headers() -> (Option<String>, Option<String>) {
+    let ctx = crate::context::current();
+    let tracestate = ctx.as_ref().and_then(|c| c.trace.tracestate.clone());
     #[cfg(feature = "otel")]
     if otel_active()
         && let Some(tp) = otel::current_traceparent()
     {
-        return Some(tp);
+        return (Some(tp), tracestate);
     }
-    crate::context::current().map(|c| c.traceparent())
+    (ctx.map(|c| c.traceparent()), tracestate)
 }
 
 /// Instruments shared by every request, created once.
@@ -238,11 +241,16 @@ impl Telemetry {
         {
             return ids;
         }
-        let _ = (span, headers);
+        let _ = span;
+        let tracestate = incoming
+            .and(headers.get("tracestate"))
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
         TraceIds {
             trace_id: incoming.map_or_else(|| random_hex(16), |t| t.trace_id.clone()),
             span_id: random_hex(8),
             sampled: incoming.is_none_or(|t| t.sampled),
+            tracestate,
         }
     }
 
@@ -365,6 +373,15 @@ fn describe_all() {
     describe_counter!(
         "tributary_ratelimit_redis_fallbacks_total",
         "Rate-limit decisions that fell back to the local limiter because Redis was slow or down."
+    );
+    describe_histogram!(
+        "tributary_ratelimit_redis_duration_seconds",
+        Unit::Seconds,
+        "Duration of Redis rate-limit decisions, by outcome (ok, error, timeout)."
+    );
+    describe_gauge!(
+        "tributary_ratelimit_local_keys",
+        "Clients tracked by this replica's local rate limiter after the last sweep."
     );
     describe_histogram!(
         "tributary_downstream_request_duration_seconds",
@@ -702,10 +719,12 @@ mod otel {
         let _ = span.set_parent(parent);
         let cx = span.context();
         let sc = cx.span().span_context().clone();
+        let tracestate = sc.trace_state().header();
         sc.is_valid().then(|| TraceIds {
             trace_id: sc.trace_id().to_string(),
             span_id: sc.span_id().to_string(),
             sampled: sc.is_sampled(),
+            tracestate: (!tracestate.is_empty()).then_some(tracestate),
         })
     }
 

@@ -69,6 +69,7 @@ async fn a_dashboard_request_exports_one_server_span_with_six_children_in_the_ca
         .client
         .get(app.url("/api/v1/dashboard/1"))
         .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
+        .header("tracestate", "vendor=abc")
         .send()
         .await
         .unwrap();
@@ -80,6 +81,7 @@ async fn a_dashboard_request_exports_one_server_span_with_six_children_in_the_ca
     for seen in &journal {
         let tp = seen.traceparent.as_deref().unwrap();
         assert_eq!(&tp[3..35], trace_id, "{tp}");
+        assert_eq!(seen.tracestate.as_deref(), Some("vendor=abc"));
     }
 
     // The batch exporter flushes every 500 ms; wait for the server span to arrive.

@@ -69,7 +69,19 @@ fn main() -> std::process::ExitCode {
             }
         };
         println!("downstream-sim listening on {}", handle.addr);
-        let _ = tokio::signal::ctrl_c().await;
+        // Containers are stopped with SIGTERM, terminals with SIGINT: either ends the process.
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("downstream-sim: cannot install the SIGTERM handler: {e}");
+                    return std::process::ExitCode::FAILURE;
+                }
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
         std::process::ExitCode::SUCCESS
     })
 }

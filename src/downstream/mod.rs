@@ -347,8 +347,12 @@ impl Downstream {
         {
             request = request.header("x-request-id", id);
         }
-        if let Some(traceparent) = crate::telemetry::outgoing_traceparent() {
+        let (traceparent, tracestate) = crate::telemetry::outgoing_trace_headers();
+        if let Some(traceparent) = traceparent {
             request = request.header("traceparent", traceparent);
+        }
+        if let Some(tracestate) = tracestate {
+            request = request.header("tracestate", tracestate);
         }
         let exchange = async {
             let response = request

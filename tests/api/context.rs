@@ -37,6 +37,7 @@ async fn concurrent_requests_never_see_each_others_context() {
                 "traceparent",
                 format!("00-{:032x}-00f067aa0ba902b7-01", user),
             )
+            .header("tracestate", format!("vendor=u{user}"))
             .send();
         async move {
             let resp = req.await.unwrap();
@@ -70,6 +71,11 @@ async fn concurrent_requests_never_see_each_others_context() {
             &tp[3..35],
             format!("{:032x}", seen.user_id),
             "trace id of another request: {seen:?}"
+        );
+        assert_eq!(
+            seen.tracestate,
+            Some(format!("vendor=u{}", seen.user_id)),
+            "tracestate forwarded"
         );
         *per_request.entry(id).or_default() += 1;
     }
