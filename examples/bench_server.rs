@@ -11,10 +11,12 @@
 //!   to a bounded rayon pool and awaits a oneshot channel. On one core none of them can exceed
 //!   200 req/s; the difference shows up in the latency of unrelated light requests
 //!   (`GET /light`) that the bench runs at the same time.
-//! - **`GET /mixed/{inline|offload}`** (reports: "mixed, 10 ms I/O + 2 ms JSON/regex"). Every
-//!   request waits 10 ms of simulated I/O (`tokio::time::sleep`: the worker is free meanwhile),
-//!   then parses a large JSON document and regex-masks e-mail addresses and card numbers in it,
-//!   about 2 ms of CPU, either inline on the worker or offloaded with `spawn_blocking`.
+//! - **`GET /mixed/{inline|offload|blocking}`** (reports: "mixed, 10 ms I/O + 2 ms JSON/regex").
+//!   Every request waits 10 ms of simulated I/O (`tokio::time::sleep`: the worker is free
+//!   meanwhile), then parses a large JSON document and regex-masks e-mail addresses and card
+//!   numbers in it, about 2 ms of CPU: `inline` on the worker, `offload` on the bounded rayon pool,
+//!   `blocking` with `spawn_blocking` (offloaded, but one OS thread per request in flight, which
+//!   the kernel then time-slices against the worker).
 //! - **`GET /pinning/{mutex|async-mutex|moka}`** (reports: control group C, `synchronized` around
 //!   a cache update that does blocking I/O, fixed with `computeIfAbsent`). `mutex` is the
 //!   deliberate anti-pattern: a `std::sync::Mutex` held while a blocking 5 ms load runs on the
@@ -28,7 +30,9 @@
 //!
 //! CPU work is calibrated at start-up (iterations of SHA-256, size of the JSON document) so that
 //! it costs the configured milliseconds on *this* machine, measured on the core the server is
-//! pinned to. Configuration is read once from the environment:
+//! pinned to; `bench/run` calibrates once per scenario and passes the result to every later start
+//! (`BENCH_SHA256_ITERATIONS`, `BENCH_MIXED_RECORDS`), so all variants do the same work.
+//! Configuration is read once from the environment:
 //!
 //! | variable | default | meaning |
 //! |---|---|---|
@@ -40,6 +44,8 @@
 //! | `BENCH_MIXED_CPU_MS` | `2` | CPU cost of `/mixed/*` |
 //! | `BENCH_PINNING_LOAD_MS` | `5` | duration of the cache loader in `/pinning/*` |
 //! | `BENCH_PINNING_KEYS` | `0` | key space of `/pinning/*`; `0` draws a fresh key per request, so every request runs the loader |
+//! | `BENCH_SHA256_ITERATIONS` | calibrated | fixes the work of `/cpu/*` instead of calibrating it |
+//! | `BENCH_MIXED_RECORDS` | calibrated | fixes the size of the `/mixed/*` document instead of calibrating it |
 //!
 //! Run it with `cargo run --release --example bench_server`; `bench/run cpu|mixed|pinning` starts
 //! it for you.
@@ -124,6 +130,8 @@ struct Config {
     mixed_cpu: Duration,
     pinning_load: Duration,
     pinning_keys: u64,
+    sha256_iterations: Option<u32>,
+    mixed_records: Option<usize>,
 }
 
 impl Config {
@@ -139,6 +147,9 @@ impl Config {
             mixed_cpu: Duration::from_millis(env_or("BENCH_MIXED_CPU_MS", 2)?),
             pinning_load: Duration::from_millis(env_or("BENCH_PINNING_LOAD_MS", 5)?),
             pinning_keys: env_or("BENCH_PINNING_KEYS", 0)?,
+            sha256_iterations: env_or("BENCH_SHA256_ITERATIONS", 0)
+                .map(|n: u32| (n > 0).then_some(n))?,
+            mixed_records: env_or("BENCH_MIXED_RECORDS", 0).map(|n: usize| (n > 0).then_some(n))?,
         })
     }
 }
@@ -174,34 +185,47 @@ struct Calibration {
 
 impl Calibration {
     fn measure(config: &Config) -> anyhow::Result<Self> {
-        let probe_iterations = 2_000;
-        let per_iteration = median_of(7, || {
-            std::hint::black_box(sha256_chain(probe_iterations));
-        }) / probe_iterations;
-        let sha256_iterations =
-            u32::try_from((config.cpu.as_nanos() / per_iteration.as_nanos().max(1)).max(1))
-                .context("SHA-256 iteration count overflows u32")?;
-        let sha256_ms = millis(median_of(5, || {
+        let sha256_iterations = match config.sha256_iterations {
+            Some(iterations) => iterations,
+            None => {
+                let probe_iterations = 2_000;
+                let per_iteration = fastest_of(9, || {
+                    std::hint::black_box(sha256_chain(probe_iterations));
+                }) / probe_iterations;
+                u32::try_from((config.cpu.as_nanos() / per_iteration.as_nanos().max(1)).max(1))
+                    .context("SHA-256 iteration count overflows u32")?
+            }
+        };
+        let sha256_ms = millis(fastest_of(5, || {
             std::hint::black_box(sha256_chain(sha256_iterations));
         }));
 
         let masker = Masker::new();
-        let probe_records = 200;
-        let probe_document = json_document(probe_records);
-        masker
-            .parse_and_mask(&probe_document)
-            .context("the generated document must parse")?;
-        // Results are checked above; the timed runs only need the work done.
-        let probe_cost = median_of(7, || {
-            let _ = std::hint::black_box(masker.parse_and_mask(&probe_document));
-        });
-        let records = usize::try_from(
-            (config.mixed_cpu.as_nanos() * probe_records as u128) / probe_cost.as_nanos().max(1),
-        )
-        .context("document size overflows usize")?
-        .max(1);
+        let records = match config.mixed_records {
+            Some(records) => records,
+            None => {
+                let probe_records = 200;
+                let probe_document = json_document(probe_records);
+                masker
+                    .parse_and_mask(&probe_document)
+                    .context("the generated document must parse")?;
+                // Results are checked above; the timed runs only need the work done.
+                let probe_cost = fastest_of(9, || {
+                    let _ = std::hint::black_box(masker.parse_and_mask(&probe_document));
+                });
+                usize::try_from(
+                    (config.mixed_cpu.as_nanos() * probe_records as u128)
+                        / probe_cost.as_nanos().max(1),
+                )
+                .context("document size overflows usize")?
+                .max(1)
+            }
+        };
         let document: Arc<[u8]> = json_document(records).into();
-        let mixed_cpu_ms = millis(median_of(5, || {
+        masker
+            .parse_and_mask(&document)
+            .context("the generated document must parse")?;
+        let mixed_cpu_ms = millis(fastest_of(5, || {
             let _ = std::hint::black_box(masker.parse_and_mask(&document));
         }));
 
@@ -221,18 +245,18 @@ impl Calibration {
     }
 }
 
-/// The median of `runs` timings: the typical cost, as a request will see it (the minimum would
-/// describe a run with hot caches and no interruption, which loaded requests rarely get).
-fn median_of(runs: u32, mut work: impl FnMut()) -> Duration {
-    let mut timings: Vec<Duration> = (0..runs)
+/// The fastest of `runs` timings. Interference (another process on the core, a page fault)
+/// only ever adds time, so the minimum is the estimate that does not depend on how busy the
+/// machine happened to be while calibrating.
+fn fastest_of(runs: u32, mut work: impl FnMut()) -> Duration {
+    (0..runs)
         .map(|_| {
             let start = Instant::now();
             work();
             start.elapsed()
         })
-        .collect();
-    timings.sort_unstable();
-    timings.get(timings.len() / 2).copied().unwrap_or_default()
+        .min()
+        .unwrap_or_default()
 }
 
 fn millis(duration: Duration) -> f64 {
@@ -432,6 +456,7 @@ async fn on_rayon<T: Send + 'static>(
 enum MixedMode {
     Inline,
     Offload,
+    Blocking,
 }
 
 async fn mixed(
@@ -444,7 +469,13 @@ async fn mixed(
     let summary = match mode {
         // About 2 ms of parsing and regex work on the worker, in one poll.
         MixedMode::Inline => state.masker.parse_and_mask(&document),
+        // The bounded pool: the work queues behind at most one thread per core.
         MixedMode::Offload => {
+            let masker = Arc::clone(&state.masker);
+            on_rayon(&state.rayon, move || masker.parse_and_mask(&document)).await?
+        }
+        // Off the worker too, but on as many OS threads as there are requests in flight.
+        MixedMode::Blocking => {
             let masker = Arc::clone(&state.masker);
             tokio::task::spawn_blocking(move || masker.parse_and_mask(&document))
                 .await

@@ -147,6 +147,30 @@ bench_report() {
   fi
 }
 
+# Wait until the machine is quiet (see measure.py: wait_quiet); used before calibrating.
+bench_wait_quiet() {
+  (cd "$BENCH_DIR/lib" && python3 -c 'import measure, os
+waited, busy = measure.wait_quiet(float(os.environ.get("BENCH_QUIET_THRESHOLD", 0.25)), float(os.environ.get("BENCH_QUIET_WAIT", 90)))
+print(f"waited {waited} s for a quiet machine ({busy} cores busy)")') >&2
+}
+
+# Calibrate bench_server's CPU work once for the whole scenario (on a quiet machine) and export
+# the result, so that every variant and repetition does exactly the same work.
+bench_calibrate_server() {
+  if [[ -z "${BENCH_SHA256_ITERATIONS:-}" || -z "${BENCH_MIXED_RECORDS:-}" ]]; then
+    bench_wait_quiet
+    bench_start_bench_server
+    curl -s "http://127.0.0.1:$BENCH_SERVER_PORT/info" >"$OUT_DIR/calibration.json"
+    bench_stop "$SERVER_PID"
+    read -r BENCH_SHA256_ITERATIONS BENCH_MIXED_RECORDS < <(python3 -c '
+import json, sys
+info = json.load(open(sys.argv[1]))
+print(info["sha256_iterations"], info["mixed_document_records"])' "$OUT_DIR/calibration.json")
+    export BENCH_SHA256_ITERATIONS BENCH_MIXED_RECORDS
+  fi
+  bench_log "calibration: $BENCH_SHA256_ITERATIONS SHA-256 iterations (~5 ms), $BENCH_MIXED_RECORDS JSON records (~2 ms)"
+}
+
 # bench_server_run VARIANT PATH CONNECTIONS REP LIMIT_RPS LIMIT_BASIS DURATION WARMUP [ENV=VALUE...]
 # One measured run against a fresh bench_server (fresh so that peak RSS belongs to this run),
 # with a paced /light probe running beside the main load.

@@ -130,7 +130,12 @@ def little_pool(run: dict) -> float | None:
     return round(run["ok_rps"] * 2 * mean_ms / 1000, 2)
 
 
-def aggregate(variant: str, x: float, runs: list[dict]) -> dict:
+def aggregate(variant: str, x: float, all_runs: list[dict]) -> dict:
+    # Runs during which other processes on this shared machine used noticeable CPU are kept and
+    # flagged; the medians use the undisturbed ones when there are any.
+    clean = [r for r in all_runs if not dig(r, "conditions", "disturbed")]
+    runs = clean or all_runs
+
     def med(*path):
         return median([dig(r, *path) for r in runs])
 
@@ -150,6 +155,9 @@ def aggregate(variant: str, x: float, runs: list[dict]) -> dict:
         "x_name": first["x"]["name"],
         "x": x,
         "runs": len(runs),
+        "runs_recorded": len(all_runs),
+        "runs_disturbed": len(all_runs) - len(clean),
+        "other_cpu_cores": median([dig(r, "processes", "other", "cpu_util") for r in runs]),
         "connections": first["config"]["connections"],
         "duration_s": first["config"]["duration_s"],
         "ok_rps": med("ok_rps"),
@@ -216,17 +224,22 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
     dates = sorted(r["started_at"] for r in runs)
     loads = [r["conditions"]["load_average_before"][0] for r in runs]
     builds = sum(1 for r in runs if r["conditions"]["concurrent_builds"])
+    disturbed = sum(1 for r in runs if dig(r, "conditions", "disturbed"))
     out += [
         f"- **Command:** `{command or first.get('command') or '?'}`",
         f"- **Machine:** {machine.get('nproc')} cores ({machine.get('cpu_model')}), {machine.get('mem_total_gib')} GiB, "
         f"kernel {machine.get('kernel')}, {machine.get('os')}; {machine.get('rustc')}; {machine.get('wrk')}; "
         f"Postgres {machine.get('postgres')}; revision {machine.get('git_revision')}",
         f"- **Date:** {dates[0]} to {dates[-1]} (UTC); {len(runs)} runs; 1-min load average before a run: "
-        f"median {statistics.median(loads):.2f}, max {max(loads):.2f}; runs that overlapped a cargo build: {builds}",
+        f"median {statistics.median(loads):.2f}, max {max(loads):.2f}; runs that overlapped a compiler: {builds}; "
+        f"runs flagged disturbed (other processes above the quiet threshold after the allowed retries): {disturbed}",
         f"- **Placement:** server under test on core 0 (`taskset -c 0`, one tokio worker); wrk on core "
         f"{first['config'].get('loadgen_cpus')}; other processes as listed in the resources table",
-        f"- Figures are medians over repetitions (range in brackets). Efficiency = successful req/s ÷ limit. "
-        f"Latency is client-side (wrk, closed loop).",
+        f"- Figures are medians over repetitions (range in brackets), over the undisturbed repetitions when a "
+        f"group has any. Efficiency = successful req/s ÷ limit. Latency is client-side (wrk, closed loop).",
+        f"- The machine is shared with other work: before each run the lab waits for idle cores (and no compiler), "
+        f"and a run in which processes outside the experiment used more than the quiet threshold of CPU is "
+        f"repeated, then kept and flagged; the `other cores` column is that outside CPU.",
         "",
         "## Throughput and latency",
         "",
@@ -242,7 +255,8 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
     for r in rows:
         lat = r["latency_ms"]
         cells = [
-            r["variant"], fmt(r["x"], 0), f"{r['runs']} × {r['duration_s']:g}", fmt_range(r["ok_rps_all"]), fmt(r["limit_rps"], 0),
+            r["variant"], fmt(r["x"], 0),
+            f"{r['runs']} × {r['duration_s']:g}" + (f" ({r['runs_disturbed']} disturbed)" if r["runs_disturbed"] else ""), fmt_range(r["ok_rps_all"]), fmt(r["limit_rps"], 0),
             pct(r["efficiency"]), fmt(lat["p50"], 1), fmt(lat["p90"], 1), fmt_range(r["p99_all"], 1), fmt(lat["p99.9"], 1),
             ", ".join(f"{k}: {v:,}" for k, v in r["non_2xx_total"].items()) or "0",
             ", ".join(f"{k}: {v:,}" for k, v in r["socket_errors_total"].items()) or "0",
@@ -380,7 +394,7 @@ def summary_table(args) -> None:
            "medians over repetitions. Each scenario's `report.md` has the full tables, the machine and the command.", ""]
     order = ["seed-baseline", "sweep", "overload", "cpu", "mixed", "pinning", "pool", "instrumentation"]
     found = sorted(results.glob("*/summary.json"), key=lambda p: order.index(p.parent.name) if p.parent.name in order else 99)
-    header = ["scenario", "variant", "x", "ok req/s", "limit", "efficiency", "p50 ms", "p99 ms", "p99.9 ms",
+    header = ["scenario", "variant", "x", "runs used (disturbed)", "ok req/s", "limit", "efficiency", "p50 ms", "p99 ms", "p99.9 ms",
               "probe p99 ms", "server CPU ms/req", "peak RSS MB", "errors", "limiting resource"]
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for path in found:
@@ -389,6 +403,7 @@ def summary_table(args) -> None:
             errors = {**r["non_2xx_total"], **r["socket_errors_total"]}
             out.append("| " + " | ".join([
                 f"[{data['scenario']}]({path.parent.name}/report.md)", r["variant"], f"{r['x_name']} {r['x']:g}",
+                f"{r['runs']} ({r.get('runs_disturbed', 0)})",
                 fmt(r["ok_rps"], 0), fmt(r["limit_rps"], 0), pct(r["efficiency"]), fmt(r["latency_ms"]["p50"], 1),
                 fmt(r["latency_ms"]["p99"], 1), fmt(r["latency_ms"]["p99.9"], 1),
                 fmt(dig(r, "probe_latency_ms", "p99"), 2), fmt(r["server_cpu_ms_per_request"], 3), fmt(r["peak_rss_mb"], 1),

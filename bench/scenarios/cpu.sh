@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # cpu: 5 ms of SHA-256 per request, inline on the async worker vs spawn_blocking vs a rayon pool.
+# shellcheck source-path=SCRIPTDIR source=../lib/common.sh
 source "$(dirname "$0")/../lib/common.sh"
 bench_init cpu
+bench_calibrate_server
 
 conns=$(bench_pick 16 4)
 reps=${BENCH_REPS:-$(bench_pick 3 1)}

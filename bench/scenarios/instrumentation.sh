@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # instrumentation: the seed-baseline load with the metrics recorder off vs on (throughput ratio,
 # CPU per request), and with the per-request log line turned off (log level warn). Repetitions alternate so that drift hits both variants alike.
+# shellcheck source-path=SCRIPTDIR source=../lib/common.sh
 source "$(dirname "$0")/../lib/common.sh"
 bench_init instrumentation
 

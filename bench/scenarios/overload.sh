@@ -2,6 +2,7 @@
 # overload: ten times more clients than the admission limit (50 in flight, 500 connections):
 # admitted latency, rejection latency, memory. Two queue settings: the default 100 ms wait for a
 # permit, and fail-fast (no wait).
+# shellcheck source-path=SCRIPTDIR source=../lib/common.sh
 source "$(dirname "$0")/../lib/common.sh"
 bench_init overload
 

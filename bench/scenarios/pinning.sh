@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # pinning: a cache update under a std Mutex with blocking work vs tokio Mutex vs moka get_with.
+# shellcheck source-path=SCRIPTDIR source=../lib/common.sh
 source "$(dirname "$0")/../lib/common.sh"
 bench_init pinning
+bench_calibrate_server
 
 conns=$(bench_pick 16 4)
 reps=${BENCH_REPS:-$(bench_pick 3 1)}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # pool: database pool size 2 -> 200 at a fixed load (the seed-baseline load): throughput, p99 and
 # pool acquire waits from the gateway's /metrics; the knee against Little's law.
+# shellcheck source-path=SCRIPTDIR source=../lib/common.sh
 source "$(dirname "$0")/../lib/common.sh"
 bench_init pool
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # seed-baseline: the reports' headline test on one gateway core: 500 connections, every
 # downstream a fixed 100 ms, the dashboard endpoint, 60 s after a warm-up.
+# shellcheck source-path=SCRIPTDIR source=../lib/common.sh
 source "$(dirname "$0")/../lib/common.sh"
 bench_init seed-baseline
 
@@ -14,7 +15,9 @@ basis="Little's law: $conns connections ÷ 100 ms downstream = $limit req/s"
 bench_db_prepare
 bench_start_sims 100ms
 for rep in $(seq 1 "$reps"); do
-  bench_start_gateway   # fresh each repetition, so its peak RSS belongs to this run
+  # Fresh each repetition, so that its peak RSS belongs to this run.
+  # shellcheck disable=SC2119 # no extra settings: the defaults are the point of this scenario
+  bench_start_gateway
   bench_gateway_run baseline "$conns" "$rep" "$duration" "$warmup" "$limit" "$basis"
   bench_stop "$GATEWAY_PID"
 done

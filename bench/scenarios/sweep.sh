@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # sweep: concurrency 100 -> 10,000 against the dashboard (downstreams fixed at 100 ms), with the
 # admission limiter on (default: 2,000 in flight, 100 ms queue) and off.
+# shellcheck source-path=SCRIPTDIR source=../lib/common.sh
 source "$(dirname "$0")/../lib/common.sh"
 bench_init sweep
 
