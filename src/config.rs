@@ -320,18 +320,23 @@ pub enum RateLimitKey {
 pub struct RateLimitSettings {
     pub enabled: bool,
     pub key: RateLimitKey,
+    /// Request header carrying the client's API key (`key = "api_key"`).
     pub api_key_header: String,
-    /// Sustained requests per second per client.
+    /// Sustained requests per second per client: one request refills every 1/per_second s.
     pub per_second: u32,
-    /// Extra requests a client may send in a burst.
+    /// Bucket size: the most requests a client with a full bucket may send at once
+    /// (`RateLimit-Limit`). A client that was quiet for `burst / per_second` seconds has it all.
     pub burst: u32,
     /// Peers whose `X-Forwarded-For` is believed (CIDRs or addresses). Empty: never trusted.
     pub trusted_proxies: Vec<String>,
     /// When set, the per-client limit is shared by every replica through Redis.
     pub redis_url: Option<Secret>,
-    /// Redis slower than this falls back to the local limiter for that request.
+    /// Budget for one Redis decision (getting a pooled connection and running the script);
+    /// past it that request is decided by the local limiter.
     #[serde(with = "humantime_serde")]
     pub redis_timeout: Duration,
+    /// Most Redis connections per replica (each is multiplexed, so few are needed).
+    pub redis_pool_size: usize,
 }
 
 impl Default for RateLimitSettings {
@@ -345,6 +350,7 @@ impl Default for RateLimitSettings {
             trusted_proxies: Vec::new(),
             redis_url: None,
             redis_timeout: Duration::from_millis(20),
+            redis_pool_size: 16,
         }
     }
 }
@@ -548,6 +554,7 @@ impl Settings {
         );
         nonzero("circuit_breaker.window", self.circuit_breaker.window);
         nonzero("circuit_breaker.open_for", self.circuit_breaker.open_for);
+        nonzero("rate_limit.redis_timeout", self.rate_limit.redis_timeout);
         for (name, ds) in self.downstreams.iter() {
             nonzero(&format!("downstreams.{name}.timeout"), ds.timeout);
         }
@@ -621,6 +628,18 @@ impl Settings {
         let rl = &self.rate_limit;
         if rl.enabled && rl.per_second == 0 {
             problems.push("rate_limit.per_second must be at least 1".into());
+        }
+        if rl.enabled && rl.burst == 0 {
+            problems.push("rate_limit.burst must be at least 1".into());
+        }
+        if rl.redis_pool_size == 0 {
+            problems.push("rate_limit.redis_pool_size must be at least 1".into());
+        }
+        if http::HeaderName::from_bytes(rl.api_key_header.as_bytes()).is_err() {
+            problems.push(format!(
+                "rate_limit.api_key_header {:?} is not a valid header name",
+                rl.api_key_header
+            ));
         }
         for proxy in &rl.trusted_proxies {
             if crate::ratelimit::parse_cidr(proxy).is_none() {
@@ -768,6 +787,29 @@ mod tests {
     fn secrets_do_not_print() {
         let s = Settings::default();
         assert!(!format!("{:?}", s).contains("postgres://"));
+    }
+
+    #[test]
+    fn inconsistent_rate_limit_settings_are_all_reported() {
+        let err = load(&[
+            ("TRIBUTARY_RATE_LIMIT__ENABLED", "true"),
+            ("TRIBUTARY_RATE_LIMIT__BURST", "0"),
+            ("TRIBUTARY_RATE_LIMIT__REDIS_TIMEOUT", "0ms"),
+            ("TRIBUTARY_RATE_LIMIT__REDIS_POOL_SIZE", "0"),
+            ("TRIBUTARY_RATE_LIMIT__API_KEY_HEADER", "x api key"),
+            ("TRIBUTARY_RATE_LIMIT__REDIS_URL", "http://cache:6379"),
+        ])
+        .unwrap_err()
+        .to_string();
+        for needle in [
+            "rate_limit.burst must be at least 1",
+            "rate_limit.redis_timeout must be greater than zero",
+            "rate_limit.redis_pool_size must be at least 1",
+            "rate_limit.api_key_header \"x api key\" is not a valid header name",
+            "rate_limit.redis_url must start with redis://",
+        ] {
+            assert!(err.contains(needle), "missing {needle:?} in {err}");
+        }
     }
 
     #[test]

@@ -7,3 +7,4 @@ mod health;
 mod helpers;
 mod observability;
 mod orders;
+mod ratelimit;
