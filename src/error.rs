@@ -157,6 +157,19 @@ impl ApiError {
     }
 }
 
+/// An error and all its causes on one line (`a: b: c`), for logs: reqwest and hyper keep the
+/// interesting part (connection refused, reset by peer) in the source chain.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
+}
+
 /// RFC 9457 problem details.
 #[derive(Debug, Serialize)]
 pub struct Problem {

@@ -198,7 +198,7 @@ fn required_failure(e: CallError) -> ApiError {
         CallError::Status { service, .. }
         | CallError::Transport { service, .. }
         | CallError::InvalidBody { service, .. } => {
-            tracing::warn!(error = %e, "required part failed");
+            tracing::warn!(error = %crate::error::chain(&e), "required part failed");
             ApiError::BadGateway { service }
         }
     }

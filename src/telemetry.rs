@@ -18,7 +18,7 @@
 use std::{
     future::Future,
     pin::Pin,
-    sync::{Arc, OnceLock},
+    sync::{Arc, Mutex, OnceLock},
     task::{Context, Poll},
     time::Duration,
 };
@@ -40,7 +40,9 @@ const LATENCY_BUCKETS: &[f64] = &[
 ];
 
 /// The installed Prometheus recorder: the `metrics` facade has one global recorder per process.
-static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
+/// A mutex, not a `OnceLock`, because installing can fail and check-then-install must be atomic
+/// when several applications start at once (tests do); nothing awaits while it is held.
+static PROMETHEUS: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
 
 /// Process-wide flag: whether spans are exported through OpenTelemetry.
 static OTEL_ACTIVE: OnceLock<bool> = OnceLock::new();
@@ -304,13 +306,15 @@ impl<F: Future> Future for PollTimer<'_, F> {
 }
 
 fn install_recorder() -> anyhow::Result<PrometheusHandle> {
-    if let Some(h) = PROMETHEUS.get() {
+    let mut installed = PROMETHEUS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(h) = installed.as_ref() {
         return Ok(h.clone());
     }
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)?
         .install_recorder()?;
-    let handle = PROMETHEUS.get_or_init(|| handle).clone();
+    *installed = Some(handle.clone());
+    drop(installed);
     describe_all();
     // Histograms are kept as buckets here, so upkeep only drains internal buffers.
     let upkeep = handle.clone();
