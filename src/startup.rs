@@ -23,7 +23,11 @@ use hyper_util::{
     server::{conn::auto, graceful::GracefulShutdown},
     service::TowerToHyperService,
 };
-use tokio::{io::AsyncWriteExt, net::TcpListener, sync::Semaphore};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpListener,
+    sync::Semaphore,
+};
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
@@ -160,15 +164,27 @@ impl Application {
                     req
                 },
             );
-            let conn = builder
-                .serve_connection_with_upgrades(
-                    TokioIo::new(stream),
-                    TowerToHyperService::new(service),
-                )
-                .into_owned();
-            let conn = graceful.watch(conn);
+            // Built inside the task (the builder is cheap to clone), after the first byte; the
+            // watcher is taken now, so a drain also waits for connections still in that phase.
+            let builder = builder.clone();
+            let watcher = graceful.watcher();
+            let first_byte_timeout = server.header_read_timeout;
             tokio::spawn(async move {
-                if let Err(e) = conn.await {
+                // hyper's header read timeout only starts once the auto builder has seen
+                // enough bytes to pick HTTP/1 or HTTP/2: a client that connects and sends
+                // nothing would hold its connection slot forever (with max_connections = N,
+                // N silent sockets lock everyone out). Give it the same time to start.
+                if !first_byte_within(&stream, first_byte_timeout).await {
+                    drop(permit);
+                    return;
+                }
+                let conn = builder
+                    .serve_connection_with_upgrades(
+                        TokioIo::new(stream),
+                        TowerToHyperService::new(service),
+                    )
+                    .into_owned();
+                if let Err(e) = watcher.watch(conn).await {
                     tracing::debug!(error = %e, %peer, "connection ended with an error");
                 }
                 drop(permit);
@@ -188,19 +204,64 @@ impl Application {
     }
 }
 
+/// True once the client has sent at least one byte; false on EOF, error or timeout.
+async fn first_byte_within(stream: &tokio::net::TcpStream, timeout: Duration) -> bool {
+    let mut probe = [0u8; 1];
+    matches!(
+        tokio::time::timeout(timeout, stream.peek(&mut probe)).await,
+        Ok(Ok(n)) if n > 0
+    )
+}
+
 /// Over the connection cap: a short, explicit answer instead of an unanswered SYN.
+///
+/// The request head is read before the answer is written: bytes that arrive before a client
+/// has sent its request are not a response to it, and clients such as hyper (reqwest) reject
+/// them as an unexpected message instead of showing the 503. After the answer, what is left
+/// of the request is drained briefly before closing, because closing a socket with unread
+/// data sends a reset, which can destroy the answer before the client reads it.
 async fn refuse_connection(mut stream: tokio::net::TcpStream) {
     const BODY: &str = r#"{"type":"/problems/unavailable","title":"Service Unavailable","status":503,"detail":"the gateway is at its connection limit; retry later"}"#;
+    /// A refused connection gets this long, and this many bytes, to deliver its request head.
+    const HEAD_TIMEOUT: Duration = Duration::from_secs(1);
+    const HEAD_LIMIT: usize = 16 * 1024;
     let response = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{BODY}",
         BODY.len()
     );
+    let _ = tokio::time::timeout(HEAD_TIMEOUT, read_request_head(&mut stream, HEAD_LIMIT)).await;
     let _ = tokio::time::timeout(
         Duration::from_secs(1),
         stream.write_all(response.as_bytes()),
     )
     .await;
     let _ = stream.shutdown().await;
+    let _ = tokio::time::timeout(Duration::from_millis(500), async {
+        let mut sink = [0u8; 1024];
+        while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+    })
+    .await;
+}
+
+/// Reads (and discards) up to the blank line that ends a request head, at most `limit` bytes.
+async fn read_request_head(stream: &mut tokio::net::TcpStream, limit: usize) {
+    let mut buf = [0u8; 1024];
+    // The last three bytes of the previous read, so a terminator split across reads is found.
+    let mut tail: Vec<u8> = Vec::with_capacity(1024 + 3);
+    let mut total = 0;
+    while total < limit {
+        let n = match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        total += n;
+        tail.extend_from_slice(&buf[..n]);
+        if tail.windows(4).any(|w| w == b"\r\n\r\n") {
+            return;
+        }
+        let keep = tail.len().saturating_sub(3);
+        tail.drain(..keep);
+    }
 }
 
 /// At start-up the database may still be coming up (compose, Kubernetes): retry for a
