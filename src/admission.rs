@@ -251,19 +251,27 @@ impl Limiter {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    /// Requests waiting for a permit right now (part of the backlog behind `Retry-After`).
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
     /// Waits at most `max_wait` for a permit.
     pub async fn acquire(self: &Arc<Self>) -> Result<Permit, Rejected> {
         let started = Instant::now();
         let permit = match Arc::clone(&self.semaphore).try_acquire_owned() {
             Ok(p) => p,
             Err(_) => {
-                self.waiting.fetch_add(1, Ordering::Relaxed);
+                // A guard, not a decrement after the await: a client that disconnects while
+                // queued drops this future mid-wait, and a count that only went up would
+                // inflate every later Retry-After (backlog / drain rate) for good.
+                let waiting = Waiting::new(&self.waiting);
                 let waited = tokio::time::timeout(
                     self.max_wait,
                     Arc::clone(&self.semaphore).acquire_owned(),
                 )
                 .await;
-                self.waiting.fetch_sub(1, Ordering::Relaxed);
+                drop(waiting);
                 match waited {
                     Ok(Ok(p)) => p,
                     // Timed out, or (never, the semaphore is not closed) closed.
@@ -364,6 +372,22 @@ impl Limiter {
             self.debt.fetch_add(shrink - forgotten, Ordering::Relaxed);
         }
         self.metrics.limit.set(new as f64);
+    }
+}
+
+/// Counts one request as waiting for a permit for as long as it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
