@@ -52,6 +52,42 @@ pub enum Admit {
     Probe,
 }
 
+/// An admitted call that reports back exactly once: through [`Ticket::record`], or, when it is
+/// dropped unreported, by giving its half-open probe slot back.
+///
+/// A call can be dropped mid-flight: the client went away, a sibling part failed and
+/// `try_join!` dropped the rest, or the fan-out's safety-net timeout fired. A probe dropped
+/// that way would otherwise keep its slot for good, and once `half_open_probes` of them were
+/// lost the circuit would stay half-open forever, refusing every call to a healthy service.
+pub struct Ticket<'a> {
+    breaker: &'a Breaker,
+    admit: Option<Admit>,
+}
+
+impl Ticket<'_> {
+    /// Reports how the call ended.
+    pub fn record(mut self, success: bool) {
+        if let Some(admit) = self.admit.take() {
+            self.breaker.record(admit, success);
+        }
+    }
+
+    /// The call was not made, or its result says nothing about the dependency's health.
+    pub fn release(mut self) {
+        if let Some(admit) = self.admit.take() {
+            self.breaker.release_unused(admit);
+        }
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        if let Some(admit) = self.admit.take() {
+            self.breaker.release_unused(admit);
+        }
+    }
+}
+
 pub struct Breaker {
     settings: CircuitBreakerSettings,
     inner: Mutex<Inner>,
@@ -108,6 +144,14 @@ impl Breaker {
             }
             State::HalfOpen => None,
         }
+    }
+
+    /// [`admit`](Self::admit) as a [`Ticket`], which cannot leak a probe slot.
+    pub fn ticket(&self) -> Option<Ticket<'_>> {
+        self.admit().map(|admit| Ticket {
+            breaker: self,
+            admit: Some(admit),
+        })
     }
 
     /// Reports how an admitted call ended.
@@ -216,6 +260,25 @@ mod tests {
         b.record(p1, true);
         assert_eq!(b.state(), State::HalfOpen);
         b.record(p2, true);
+        assert_eq!(b.state(), State::Closed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_dropped_without_a_report_frees_its_slot() {
+        let b = breaker();
+        for _ in 0..4 {
+            b.ticket().unwrap().record(false);
+        }
+        tokio::time::advance(Duration::from_secs(5)).await;
+        // Two probes are cancelled mid-call: their tickets are dropped unreported.
+        drop((b.ticket().unwrap(), b.ticket().unwrap()));
+        assert_eq!(b.state(), State::HalfOpen);
+        let (p1, p2) = (
+            b.ticket().expect("slot freed"),
+            b.ticket().expect("slot freed"),
+        );
+        p1.record(true);
+        p2.record(true);
         assert_eq!(b.state(), State::Closed);
     }
 

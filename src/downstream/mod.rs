@@ -257,12 +257,14 @@ impl Downstream {
 
     async fn call(&self, user_id: i64) -> Result<Box<RawValue>, CallError> {
         let service = self.name;
-        let Some(admit) = self.breaker.admit() else {
+        // A ticket rather than a bare admission: if this future is dropped mid-call, the
+        // ticket still gives a half-open probe slot back (see `breaker::Ticket`).
+        let Some(ticket) = self.breaker.ticket() else {
             return Err(CallError::CircuitOpen { service });
         };
         // Bulkhead: never queue behind a saturated dependency; degrade instead.
         let Ok(permit) = Arc::clone(&self.bulkhead).try_acquire_owned() else {
-            self.breaker.release_unused(admit);
+            ticket.release();
             return Err(CallError::Shed { service });
         };
         let _in_flight = InFlight::new(&self.metrics.in_flight, permit);
@@ -294,12 +296,12 @@ impl Downstream {
             Ok(_) => true,
             // The caller's own budget running out says nothing about the dependency's health.
             Err(CallError::BudgetExhausted { .. }) => {
-                self.breaker.release_unused(admit);
+                ticket.release();
                 return result;
             }
             Err(_) => false,
         };
-        self.breaker.record(admit, success);
+        ticket.record(success);
         result
     }
 
