@@ -86,6 +86,9 @@ async fn optional_call(d: &Downstream, user_id: i64) -> Result<Optional<Box<RawV
 /// Runs the fan-out for one user.
 pub async fn dashboard(state: &AppState, user_id: i64) -> Result<(Dashboard, Timings), ApiError> {
     let started = Instant::now();
+    let deadline = crate::context::current()
+        .map(|c| c.deadline)
+        .unwrap_or_else(|| Instant::now() + Duration::from_secs(30));
     let ds = &state.downstreams;
     let required = async {
         let t = Instant::now();
@@ -96,14 +99,25 @@ pub async fn dashboard(state: &AppState, user_id: i64) -> Result<(Dashboard, Tim
     };
     let orders = async {
         let t = Instant::now();
-        let r = state.db.recent_orders(user_id).await.map_err(|e| {
-            tracing::warn!(error = %e, "recent orders unavailable");
-            match e {
-                crate::db::AcquireError::TimedOut => "shed",
-                crate::db::AcquireError::BudgetExhausted => "budget_exhausted",
-                crate::db::AcquireError::Database(_) => "error",
+        // The pool wait is bounded by the budget and the server cancels the statement at its
+        // statement_timeout, but only a reachable server can say so: if the network goes
+        // silent mid-query (a partition), that answer never arrives. Bound the part here too,
+        // like every downstream call, so it degrades instead of the safety net below turning
+        // the whole dashboard into a 504.
+        let r = match tokio::time::timeout_at(deadline, state.db.recent_orders(user_id)).await {
+            Ok(r) => r.map_err(|e| {
+                tracing::warn!(error = %e, "recent orders unavailable");
+                match e {
+                    crate::db::AcquireError::TimedOut => "shed",
+                    crate::db::AcquireError::BudgetExhausted => "budget_exhausted",
+                    crate::db::AcquireError::Database(_) => "error",
+                }
+            }),
+            Err(_) => {
+                tracing::warn!("recent orders unavailable: no answer within the deadline");
+                Err("timeout")
             }
-        });
+        };
         Ok::<_, CallError>((r, t.elapsed()))
     };
     let joined = async {
@@ -118,9 +132,6 @@ pub async fn dashboard(state: &AppState, user_id: i64) -> Result<(Dashboard, Tim
     };
     // Every part bounds itself by the deadline; this outer bound is the safety net for a part
     // that does not, with a little grace so it never races a part finishing just in time.
-    let deadline = crate::context::current()
-        .map(|c| c.deadline)
-        .unwrap_or_else(|| Instant::now() + Duration::from_secs(30));
     let outcome = tokio::time::timeout_at(deadline + Duration::from_millis(50), joined).await;
     let (profile, cart, recommendations, promotions, notifications, recent_orders) = match outcome {
         Err(_) => return Err(ApiError::GatewayTimeout),
