@@ -1,6 +1,7 @@
 //! Integration tests: the real gateway, a real simulator and a real Postgres, on ephemeral
 //! ports. One binary, helpers in one file, a module per concern.
 
+mod chaos;
 mod context;
 mod dashboard;
 mod health;
@@ -8,3 +9,4 @@ mod helpers;
 mod observability;
 mod orders;
 mod ratelimit;
+mod resilience;
