@@ -139,6 +139,8 @@ impl Db {
         let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
         let check = async {
             let mut conn = self.acquire(Duration::from_secs(1)).await?;
+            // The connection may carry a request's short statement_timeout; give the check its own.
+            set_statement_timeout(&mut conn, Duration::from_secs(1)).await?;
             let applied: Option<i64> =
                 sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
                     .fetch_one(&mut *conn)
