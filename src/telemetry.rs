@@ -44,11 +44,16 @@ const LATENCY_BUCKETS: &[f64] = &[
 /// when several applications start at once (tests do); nothing awaits while it is held.
 static PROMETHEUS: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
 
+/// Lines the non-blocking log writer dropped because its queue was full.
+static LOG_DROPS: OnceLock<tracing_appender::non_blocking::ErrorCounter> = OnceLock::new();
+
 /// Process-wide flag: whether spans are exported through OpenTelemetry.
 static OTEL_ACTIVE: OnceLock<bool> = OnceLock::new();
 
 /// Keeps the trace pipeline alive; flushes pending spans when dropped.
 pub struct TracingGuard {
+    /// Flushes buffered log lines when dropped.
+    _writer: tracing_appender::non_blocking::WorkerGuard,
     #[cfg(feature = "otel")]
     provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
 }
@@ -68,6 +73,15 @@ pub fn init_tracing(settings: &TelemetrySettings) -> anyhow::Result<TracingGuard
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&settings.log_level))
         .map_err(|e| anyhow::anyhow!("telemetry.log_level is not a valid filter: {e}"))?;
+    // Log lines are handed to a dedicated writer thread through a bounded queue: a write to a
+    // slow stdout (a full pipe, a stalled log shipper) must never block an async worker. When
+    // the queue is full, lines are dropped and counted rather than waited for.
+    let (writer, writer_guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(64 * 1024)
+        .thread_name("log-writer")
+        .finish(std::io::stdout());
+    let _ = LOG_DROPS.set(writer.error_counter());
     let (json, pretty) = match settings.log_format {
         LogFormat::Json => (
             Some(
@@ -75,11 +89,19 @@ pub fn init_tracing(settings: &TelemetrySettings) -> anyhow::Result<TracingGuard
                     .json()
                     .flatten_event(true)
                     .with_current_span(true)
-                    .with_span_list(false),
+                    .with_span_list(false)
+                    .with_writer(writer),
             ),
             None,
         ),
-        LogFormat::Pretty => (None, Some(tracing_subscriber::fmt::layer().compact())),
+        LogFormat::Pretty => (
+            None,
+            Some(
+                tracing_subscriber::fmt::layer()
+                    .compact()
+                    .with_writer(writer),
+            ),
+        ),
     };
     #[cfg(feature = "otel")]
     let (otel_layer, provider) = match &settings.otlp_endpoint {
@@ -104,6 +126,7 @@ pub fn init_tracing(settings: &TelemetrySettings) -> anyhow::Result<TracingGuard
         .try_init()
         .map_err(|e| anyhow::anyhow!("a tracing subscriber is already installed: {e}"))?;
     Ok(TracingGuard {
+        _writer: writer_guard,
         #[cfg(feature = "otel")]
         provider,
     })
@@ -552,6 +575,7 @@ pub fn spawn_runtime_samplers(
         let global = metrics::gauge!("tributary_runtime_global_queue_depth");
         let blocking = metrics::gauge!("tributary_runtime_blocking_threads");
         let blocking_queue = metrics::gauge!("tributary_runtime_blocking_queue_depth");
+        let log_drops = metrics::counter!("tributary_log_lines_dropped_total");
         let mut last_busy: Vec<Duration> = (0..workers)
             .map(|w| rt.worker_total_busy_duration(w))
             .collect();
@@ -579,6 +603,9 @@ pub fn spawn_runtime_samplers(
             global.set(rt.global_queue_depth() as f64);
             blocking.set(rt.num_blocking_threads() as f64);
             blocking_queue.set(rt.blocking_queue_depth() as f64);
+            if let Some(drops) = LOG_DROPS.get() {
+                log_drops.absolute(drops.dropped_lines() as u64);
+            }
             if let Some(db) = &db {
                 db.record_pool_gauges();
             }

@@ -100,9 +100,10 @@ impl Db {
             .min_connections(settings.min_connections)
             .acquire_timeout(settings.acquire_timeout)
             .idle_timeout(settings.idle_timeout)
-            // A connection that has been idle may have been cut by a proxy or a restart of the
-            // server; pinging idle ones costs a round trip only after they sat unused.
-            .test_before_acquire(true)
+            // No ping before every acquire (sqlx's default): it is a round trip on the hot path,
+            // held with the connection. A connection broken by a server restart fails its next
+            // statement instead, is discarded by sqlx, and that one part degrades.
+            .test_before_acquire(false)
             .after_connect(|_conn, _meta| {
                 let _ = OPENED_CONNECTION.try_with(|opened| opened.set(true));
                 futures::future::ready(Ok(())).boxed()
@@ -203,26 +204,27 @@ impl Db {
     }
 
     /// Acquires a connection for the current request: the wait is bounded by the remaining
-    /// budget, and the session's `statement_timeout` is set to what is left of it, so the
-    /// server abandons a statement its caller can no longer use.
+    /// budget. Returns the budget left once the connection is held; the caller must put it into
+    /// the session's `statement_timeout` before its statements ([`set_statement_timeout`], or
+    /// inline in the same round trip), so the server abandons a statement its caller can no
+    /// longer use.
     pub async fn acquire_for_request(
         &self,
-    ) -> Result<PoolConnection<sqlx::Postgres>, AcquireError> {
+    ) -> Result<(PoolConnection<sqlx::Postgres>, Duration), AcquireError> {
         let remaining = crate::context::current()
             .map(|c| c.remaining())
             .unwrap_or(Duration::from_secs(30));
         if remaining < MIN_STATEMENT_TIMEOUT {
             return Err(AcquireError::BudgetExhausted);
         }
-        let mut conn = self.acquire(remaining).await?;
+        let conn = self.acquire(remaining).await?;
         let left = crate::context::current()
             .map(|c| c.remaining())
             .unwrap_or(Duration::from_secs(30));
         if left < MIN_STATEMENT_TIMEOUT {
             return Err(AcquireError::BudgetExhausted);
         }
-        set_statement_timeout(&mut conn, left).await?;
-        Ok(conn)
+        Ok((conn, left))
     }
 
     /// Times a statement under its name.
@@ -240,19 +242,21 @@ impl Db {
 
 /// Session-level `statement_timeout`; every request path sets it again before its statements,
 /// so a value left behind on a pooled connection is always overwritten before use.
-async fn set_statement_timeout(
+pub(crate) async fn set_statement_timeout(
     conn: &mut PgConnection,
     budget: Duration,
 ) -> Result<(), AcquireError> {
-    let millis = budget
-        .as_millis()
-        .max(MIN_STATEMENT_TIMEOUT.as_millis())
-        .to_string();
+    let millis = statement_timeout_ms(budget).to_string();
     sqlx::query("SELECT set_config('statement_timeout', $1, false)")
         .bind(millis)
         .execute(conn)
         .await?;
     Ok(())
+}
+
+/// The `statement_timeout` for a budget, in whole milliseconds (never below the floor).
+pub(crate) fn statement_timeout_ms(budget: Duration) -> u128 {
+    budget.as_millis().max(MIN_STATEMENT_TIMEOUT.as_millis())
 }
 
 /// Keeps the waiters gauge right even when an acquire is cancelled mid-wait.

@@ -8,7 +8,7 @@
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use sqlx::{Acquire, PgConnection};
+use sqlx::{Acquire, FromRow, PgConnection};
 use tracing::Instrument;
 
 use super::{AcquireError, Db};
@@ -72,16 +72,25 @@ impl Db {
     /// The user's five most recent orders.
     pub async fn recent_orders(&self, user_id: i64) -> Result<Vec<OrderSummary>, AcquireError> {
         async {
-            let mut conn = self.acquire_for_request().await?;
+            let (mut conn, budget) = self.acquire_for_request().await?;
             let _t = Db::query_timer("recent_orders");
-            let rows = sqlx::query_as::<_, OrderSummary>(
-                "SELECT id, status, total_cents, created_at FROM orders \
-                 WHERE user_id = $1 ORDER BY created_at DESC LIMIT 5",
-            )
-            .bind(user_id)
-            .fetch_all(&mut *conn)
-            .await?;
-            Ok(rows)
+            // The hot path's one round trip: the budget-derived statement_timeout and the query
+            // travel in a single simple-protocol message, and the SET applies to the SELECT after
+            // it. Both values are integers formatted by Rust (user_id is a validated i64), so
+            // nothing from the request is ever spliced into SQL text.
+            let sql = format!(
+                "SET statement_timeout = {}; \
+                 SELECT id, status, total_cents, created_at FROM orders \
+                 WHERE user_id = {user_id} ORDER BY created_at DESC LIMIT 5",
+                super::statement_timeout_ms(budget)
+            );
+            let rows = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .fetch_all(&mut *conn)
+                .await?;
+            rows.iter()
+                .map(OrderSummary::from_row)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(AcquireError::Database)
         }
         .instrument(span("recent_orders"))
         .await
@@ -90,7 +99,8 @@ impl Db {
     /// Reads one order with its items.
     pub async fn get_order(&self, id: i64) -> Result<Option<Order>, AcquireError> {
         async {
-            let mut conn = self.acquire_for_request().await?;
+            let (mut conn, budget) = self.acquire_for_request().await?;
+            super::set_statement_timeout(&mut conn, budget).await?;
             let _t = Db::query_timer("get_order");
             let Some(head) = sqlx::query_as::<_, (i64, i64, String, i64, DateTime<Utc>)>(
                 "SELECT id, user_id, status, total_cents, created_at FROM orders WHERE id = $1",
@@ -125,7 +135,8 @@ impl Db {
         total_cents: i64,
     ) -> Result<CreateOutcome, AcquireError> {
         async {
-            let mut conn = self.acquire_for_request().await?;
+            let (mut conn, budget) = self.acquire_for_request().await?;
+            super::set_statement_timeout(&mut conn, budget).await?;
             let _t = Db::query_timer("create_order");
             let mut tx = conn.begin().await?;
             let claimed: Option<i32> = sqlx::query_scalar(
