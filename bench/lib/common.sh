@@ -173,18 +173,26 @@ print(info["sha256_iterations"], info["mixed_document_records"])' "$OUT_DIR/cali
 
 # bench_server_run VARIANT PATH CONNECTIONS REP LIMIT_RPS LIMIT_BASIS DURATION WARMUP [ENV=VALUE...]
 # One measured run against a fresh bench_server (fresh so that peak RSS belongs to this run),
-# with a paced /light probe running beside the main load.
+# with a paced /light probe running beside the main load. A failed measurement (the server went
+# away, wrk printed nothing) is tried once more with a new server, then skipped with a log line.
 bench_server_run() {
   local variant="$1" path="$2" conns="$3" rep="$4" limit="$5" basis="$6" duration="$7" warmup="$8"
   shift 8
-  bench_start_bench_server "$@"
-  local base="http://127.0.0.1:$BENCH_SERVER_PORT"
-  bench_measure --out "$OUT_DIR/runs/${variant}-c${conns}-r${rep}.json" --scenario "$SCENARIO" \
-    --variant "$variant" --repetition "$rep" --url "$base$path" --connections "$conns" \
-    --duration "$duration" --warmup "$warmup" --probe-url "$base/light" --probe-connections 4 \
-    --server-pid "$SERVER_PID" --server-name bench_server --info-url "$base/info" \
-    --limit-rps "$limit" --limit-basis "$basis" --meta "server_env=$*"
-  bench_stop "$SERVER_PID"
+  local try base="http://127.0.0.1:$BENCH_SERVER_PORT"
+  for try in 1 2; do
+    bench_start_bench_server "$@"
+    if bench_measure --out "$OUT_DIR/runs/${variant}-c${conns}-r${rep}.json" --scenario "$SCENARIO" \
+      --variant "$variant" --repetition "$rep" --url "$base$path" --connections "$conns" \
+      --duration "$duration" --warmup "$warmup" --probe-url "$base/light" --probe-connections 4 \
+      --server-pid "$SERVER_PID" --server-name bench_server --info-url "$base/info" \
+      --limit-rps "$limit" --limit-basis "$basis" --meta "server_env=$*"; then
+      bench_stop "$SERVER_PID"
+      return 0
+    fi
+    bench_log "measurement $variant c=$conns rep $rep failed (try $try; server alive: $(bench_alive "$SERVER_PID" && echo yes || echo no))"
+    bench_stop "$SERVER_PID"
+  done
+  bench_log "skipping $variant c=$conns rep $rep"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -196,6 +204,7 @@ BENCH_ORDERS_PER_USER="${BENCH_ORDERS_PER_USER:-5}"
 DATABASE_URL_BENCH="$PG_URL_BASE/$BENCH_DB"
 SIM_SERVICES=(users carts recommendations promotions notifications)
 SIM_PIDS=()
+GATEWAY_SETTINGS=()
 
 bench_gateway_bin() {
   local name="$1"
@@ -267,6 +276,27 @@ bench_start_gateway() {
   GATEWAY_PID=$BENCH_LAST_PID
   cd - >/dev/null
   bench_wait_http "http://127.0.0.1:$GATEWAY_PORT/readyz" 60 "$GATEWAY_PID"
+}
+
+# bench_gateway_point VARIANT CONNECTIONS REP DURATION WARMUP LIMIT BASIS [MEASURE-ARGS...]
+# Start a fresh gateway with the settings in the array GATEWAY_SETTINGS, measure, stop. A failed
+# measurement is tried once more with a new gateway, then skipped with a log line. Sets
+# BENCH_POINT_OK to 1 or 0.
+# shellcheck disable=SC2034 # BENCH_POINT_OK is read by the scenario scripts
+bench_gateway_point() {
+  local try
+  BENCH_POINT_OK=0
+  for try in 1 2; do
+    bench_start_gateway "${GATEWAY_SETTINGS[@]}"
+    if bench_gateway_run "$@"; then
+      bench_stop "$GATEWAY_PID"
+      BENCH_POINT_OK=1
+      return 0
+    fi
+    bench_log "measurement $1 c=$2 rep $3 failed (try $try; gateway alive: $(bench_alive "$GATEWAY_PID" && echo yes || echo no))"
+    bench_stop "$GATEWAY_PID"
+  done
+  bench_log "skipping $1 c=$2 rep $3"
 }
 
 # bench_gateway_run VARIANT CONNECTIONS REP DURATION WARMUP LIMIT BASIS [MEASURE-ARGS...]

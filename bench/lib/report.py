@@ -121,13 +121,14 @@ def bucket(runs: list[dict], family: str, group: str) -> str | None:
 
 
 def little_pool(run: dict) -> float | None:
-    """Little's law for the pool: λ × W, with λ the run's successful request rate and W the
-    time a connection is held, taken as two round trips of the recent_orders query (the
-    statement_timeout set and the query itself)."""
-    mean_ms = dig(run, "metrics", "tributary_db_query_duration_seconds", "recent_orders", "mean_ms")
-    if mean_ms is None:
+    """Little's law for the pool: λ × W, with λ the run's rate of recent_orders queries and W
+    the time a connection is held, taken as the query's mean duration (the gateway sends the
+    statement_timeout and the query in one round trip and times it after the acquire)."""
+    query = dig(run, "metrics", "tributary_db_query_duration_seconds", "recent_orders")
+    if not query:
         return None
-    return round(run["ok_rps"] * 2 * mean_ms / 1000, 2)
+    rate = query["count"] / run["duration_s"]
+    return round(rate * query["mean_ms"] / 1000, 2)
 
 
 def aggregate(variant: str, x: float, all_runs: list[dict]) -> dict:
@@ -308,7 +309,7 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
             out.append("| " + " | ".join(cells) + " |")
         out += ["", "Server-side p99s are given as the histogram bucket that holds them (e.g. `100–250` ms): "
                 "that is all a Prometheus histogram knows. \"≤ 1 ms\" uses the request histogram's 1 ms bucket; "
-                "λ·W is Little's law for the pool with W = two round trips of the recent_orders query; "
+                "λ·W is Little's law for the pool: recent_orders queries per second × their mean duration; "
                 "in-flight and pool-in-use means are sampled from /metrics once a second."]
     out += ["", "![plot](plot.png)", "", "One JSON per run is in `runs/` (wrk command, per-process CPU, core "
             "busy fractions, RSS samples, metric deltas).", ""]

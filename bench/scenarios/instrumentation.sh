@@ -18,9 +18,8 @@ for rep in $(seq 1 "$reps"); do
   # variant:metrics_enabled:log_level; the third shows what the per-request log line costs.
   for spec in metrics-off:false:info metrics-on:true:info metrics-on-logs-warn:true:warn; do
     IFS=: read -r variant metrics level <<<"$spec"
-    bench_start_gateway "TRIBUTARY_TELEMETRY__METRICS_ENABLED=$metrics" "TRIBUTARY_TELEMETRY__LOG_LEVEL=$level"
-    bench_gateway_run "$variant" "$conns" "$rep" "$duration" "$warmup" "$limit" "$basis"
-    bench_stop "$GATEWAY_PID"
+    GATEWAY_SETTINGS=("TRIBUTARY_TELEMETRY__METRICS_ENABLED=$metrics" "TRIBUTARY_TELEMETRY__LOG_LEVEL=$level")
+    bench_gateway_point "$variant" "$conns" "$rep" "$duration" "$warmup" "$limit" "$basis"
   done
 done
 bench_stop_sims

@@ -19,9 +19,8 @@ bench_start_sims 100ms
 for rep in $(seq 1 "$reps"); do
   for wait in 100ms 0ms; do
     variant=$([[ $wait == 0ms ]] && echo fail-fast || echo "queue-$wait")
-    bench_start_gateway "TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=$max_in_flight" "TRIBUTARY_ADMISSION__MAX_WAIT=$wait"
-    bench_gateway_run "$variant" "$conns" "$rep" "$duration" "$warmup" "$limit" "$basis"
-    bench_stop "$GATEWAY_PID"
+    GATEWAY_SETTINGS=("TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=$max_in_flight" "TRIBUTARY_ADMISSION__MAX_WAIT=$wait")
+    bench_gateway_point "$variant" "$conns" "$rep" "$duration" "$warmup" "$limit" "$basis"
   done
 done
 bench_stop_sims

@@ -18,12 +18,13 @@ bench_start_sims 100ms
 for size in "${sizes[@]}"; do
   min=$((size < 2 ? size : 2))
   # The fleet-budget check would only warn; tell it the truth about this one replica anyway.
-  bench_start_gateway "TRIBUTARY_DATABASE__MAX_CONNECTIONS=$size" "TRIBUTARY_DATABASE__MIN_CONNECTIONS=$min" \
-    "TRIBUTARY_DATABASE__MAX_REPLICAS=1" "TRIBUTARY_DATABASE__SERVER_MAX_CONNECTIONS=$pg_max"
-  bench_gateway_run "pool" "$conns" 1 "$duration" "$warmup" "$limit" "$basis" \
+  GATEWAY_SETTINGS=("TRIBUTARY_DATABASE__MAX_CONNECTIONS=$size" "TRIBUTARY_DATABASE__MIN_CONNECTIONS=$min"
+    "TRIBUTARY_DATABASE__MAX_REPLICAS=1" "TRIBUTARY_DATABASE__SERVER_MAX_CONNECTIONS=$pg_max")
+  bench_gateway_point "pool" "$conns" 1 "$duration" "$warmup" "$limit" "$basis" \
     --x-name pool_size --x-value "$size" --meta "pool_size=$size" --meta "postgres_max_connections=$pg_max"
-  mv "$OUT_DIR/runs/pool-c${conns}-r1.json" "$OUT_DIR/runs/pool-size$(printf %03d "$size").json"
-  bench_stop "$GATEWAY_PID"
+  if [[ $BENCH_POINT_OK == 1 ]]; then
+    mv "$OUT_DIR/runs/pool-c${conns}-r1.json" "$OUT_DIR/runs/pool-size$(printf %03d "$size").json"
+  fi
 done
 bench_stop_sims
 bench_report "pool: database pool size 2 to 200 at 500 connections (gateway on one core)"

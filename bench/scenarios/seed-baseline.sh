@@ -14,12 +14,11 @@ basis="Little's law: $conns connections ÷ 100 ms downstream = $limit req/s"
 
 bench_db_prepare
 bench_start_sims 100ms
+# The shipped defaults: no extra settings. A fresh gateway per repetition, so that its peak RSS
+# belongs to that run.
+GATEWAY_SETTINGS=()
 for rep in $(seq 1 "$reps"); do
-  # Fresh each repetition, so that its peak RSS belongs to this run.
-  # shellcheck disable=SC2119 # no extra settings: the defaults are the point of this scenario
-  bench_start_gateway
-  bench_gateway_run baseline "$conns" "$rep" "$duration" "$warmup" "$limit" "$basis"
-  bench_stop "$GATEWAY_PID"
+  bench_gateway_point baseline "$conns" "$rep" "$duration" "$warmup" "$limit" "$basis"
 done
 bench_stop_sims
 bench_report "seed-baseline: dashboard fan-out, 500 connections, downstreams fixed at 100 ms (gateway on one core)"

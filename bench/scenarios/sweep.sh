@@ -9,30 +9,36 @@ read -r -a levels <<<"$(bench_pick "100 250 500 1000 2000 5000 10000" "4 16")"
 duration=${BENCH_DURATION:-$(bench_pick 15 3)}
 warmup=$(bench_pick 3 1)
 
-# Where the sweep must stop: every connection is a file descriptor in wrk and in the gateway, and
-# the gateway holds up to five more towards the simulators (one simulator per downstream, each
-# with its own range of ephemeral ports).
+# Where the sweep must stop: every connection is a file descriptor in wrk and in the gateway,
+# and the gateway holds connections towards the simulators too: at most one per call in flight,
+# and calls in flight per downstream are capped by its bulkhead (downstreams.*.max_concurrency,
+# 1,024 by default), so at most 5 x 1,024. One simulator per downstream gives each its own range
+# of ephemeral ports. `ulimit -n` is raised as far as the hard limit allows.
 nofile=$(ulimit -n)
+bulkhead=1024
 read -r port_lo port_hi </proc/sys/net/ipv4/ip_local_port_range
 ports=$((port_hi - port_lo + 1))
 bench_log "fd limit $nofile, ephemeral ports per destination $ports"
 
+rm -f "$OUT_DIR/stopped.jsonl"
 bench_db_prepare
 bench_start_sims 100ms
 for limiter in on off; do
   enabled=$([[ $limiter == on ]] && echo true || echo false)
   for conns in "${levels[@]}"; do
-    need_fds=$((conns * 6 + 1000))
+    outbound=$((conns < bulkhead ? conns : bulkhead))
+    need_fds=$((conns + 5 * outbound + 500))
     if ((need_fds > nofile || conns > ports)); then
-      bench_log "stopping at $conns connections: needs ~$need_fds fds (limit $nofile) and $conns ports ($ports)"
+      bench_log "stopping before $conns connections: the gateway would need ~$need_fds file descriptors (limit $nofile) and wrk $conns ports ($ports)"
+      echo "{\"stopped_before\": $conns, \"limiter\": \"$limiter\", \"gateway_fds_needed\": $need_fds, \"fd_limit\": $nofile, \"ephemeral_ports\": $ports}" \
+        >>"$OUT_DIR/stopped.jsonl"
       break
     fi
     limit=$((conns * 10))
     basis="Little's law: connections ÷ 100 ms downstream"
-    bench_start_gateway "TRIBUTARY_ADMISSION__ENABLED=$enabled"
-    bench_gateway_run "limiter-$limiter" "$conns" 1 "$duration" "$warmup" "$limit" "$basis" \
+    GATEWAY_SETTINGS=("TRIBUTARY_ADMISSION__ENABLED=$enabled")
+    bench_gateway_point "limiter-$limiter" "$conns" 1 "$duration" "$warmup" "$limit" "$basis" \
       --meta "fd_limit=$nofile" --meta "ephemeral_ports=$ports"
-    bench_stop "$GATEWAY_PID"
   done
 done
 bench_stop_sims
