@@ -56,8 +56,12 @@ pub struct ServerSettings {
     pub max_headers: usize,
     /// Largest request head (request line plus headers) in bytes.
     pub max_header_bytes: usize,
-    /// Open client connections accepted at once; beyond it the listener stops accepting.
+    /// Open client connections accepted at once; beyond it a new connection gets a 503.
     pub max_connections: usize,
+    /// Kernel accept queue length (capped by `net.core.somaxconn`). tokio's default of 1024
+    /// overflows when a fleet of clients connects at once, and a dropped SYN costs the client a
+    /// one-second retransmit.
+    pub listen_backlog: u32,
     /// Tokio worker threads; unset means one per core.
     pub worker_threads: Option<NonZeroUsize>,
 }
@@ -73,6 +77,7 @@ impl Default for ServerSettings {
             max_headers: 64,
             max_header_bytes: 16 * 1024,
             max_connections: 20_000,
+            listen_backlog: 4096,
             worker_threads: None,
         }
     }
@@ -377,7 +382,7 @@ impl Default for CircuitBreakerSettings {
         Self {
             enabled: true,
             failure_ratio: 0.5,
-            min_calls: 20,
+            min_calls: 100,
             window: Duration::from_secs(10),
             open_for: Duration::from_secs(5),
             half_open_probes: 3,

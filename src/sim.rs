@@ -29,7 +29,6 @@ use axum::{
 };
 use rand::Rng;
 use serde::{Deserialize, Serialize};
-use tokio::net::TcpListener;
 
 pub const SERVICES: [&str; 5] = [
     "users",
@@ -365,7 +364,9 @@ impl Drop for SimHandle {
 
 /// Serves the simulator on `addr` (port 0 for an ephemeral port) in a background task.
 pub async fn spawn(addr: SocketAddr, default: Behaviour) -> std::io::Result<SimHandle> {
-    let listener = TcpListener::bind(addr).await?;
+    // The gateway opens one connection per concurrent call; a wide accept queue keeps a cold
+    // start with thousands of simultaneous connects from dropping SYNs.
+    let listener = crate::startup::listen(addr, 4096)?;
     let addr = listener.local_addr()?;
     let sim = Sim::new(default);
     let app = router(Arc::clone(&sim));

@@ -87,8 +87,7 @@ impl Application {
             telemetry,
             draining: Arc::clone(&draining),
         };
-        let listener = TcpListener::bind(settings.server.listen)
-            .await
+        let listener = listen(settings.server.listen, settings.server.listen_backlog)
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", settings.server.listen))?;
         Ok(Self {
             router: router(state.clone(), extra),
@@ -211,6 +210,19 @@ async fn first_byte_within(stream: &tokio::net::TcpStream, timeout: Duration) ->
         tokio::time::timeout(timeout, stream.peek(&mut probe)).await,
         Ok(Ok(n)) if n > 0
     )
+}
+
+/// Binds a listener with an explicit accept-queue length (tokio's `bind` fixes it at 1024).
+pub fn listen(addr: std::net::SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // A restarted gateway must not wait for the old socket's TIME_WAIT to rebind its port.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(backlog)
 }
 
 /// Over the connection cap: a short, explicit answer instead of an unanswered SYN.
