@@ -52,7 +52,7 @@ bench_init() {
   RESULTS_ROOT="${BENCH_OUT:-$BENCH_DIR/results}"
   OUT_DIR="$RESULTS_ROOT/$SCENARIO"
   LOG_DIR="$(mktemp -d "${TMPDIR:-/tmp}/bench-$SCENARIO.XXXXXX")"
-  rm -rf "$OUT_DIR/runs"
+  rm -rf "$OUT_DIR/runs" "$OUT_DIR/failures.jsonl"
   mkdir -p "$OUT_DIR/runs"
   python3 "$BENCH_DIR/lib/machine.py" >"$OUT_DIR/machine.json"
   export BENCH_COMMAND="${BENCH_COMMAND:-bench/run $SCENARIO$([[ "$BENCH_QUICK" == 1 ]] && echo ' --quick')}"
@@ -72,7 +72,9 @@ bench_cleanup() {
 bench_start() {
   local name="$1" cpus="$2"
   shift 2
-  taskset -c "$cpus" "$@" >"$LOG_DIR/$name.log" 2>&1 &
+  # Appended, with a header per start, so that the log of a server that died is still there.
+  echo "=== $(date -u +%FT%T) start: $*" >>"$LOG_DIR/$name.log"
+  taskset -c "$cpus" "$@" >>"$LOG_DIR/$name.log" 2>&1 &
   BENCH_LAST_PID=$!
   BENCH_PIDS+=("$BENCH_LAST_PID")
 }
@@ -180,8 +182,7 @@ bench_server_run() {
   shift 8
   local try base="http://127.0.0.1:$BENCH_SERVER_PORT"
   for try in 1 2; do
-    bench_start_bench_server "$@"
-    if bench_measure --out "$OUT_DIR/runs/${variant}-c${conns}-r${rep}.json" --scenario "$SCENARIO" \
+    if bench_start_bench_server "$@" && bench_measure --out "$OUT_DIR/runs/${variant}-c${conns}-r${rep}.json" --scenario "$SCENARIO" \
       --variant "$variant" --repetition "$rep" --url "$base$path" --connections "$conns" \
       --duration "$duration" --warmup "$warmup" --probe-url "$base/light" --probe-connections 4 \
       --server-pid "$SERVER_PID" --server-name bench_server --info-url "$base/info" \
@@ -225,10 +226,10 @@ bench_db_prepare() {
   fi
   local tributary
   tributary="$(bench_gateway_bin tributary)"
-  (cd "$REPO_DIR" && env -u RUST_LOG DATABASE_URL="$DATABASE_URL_BENCH" TRIBUTARY_TELEMETRY__LOG_LEVEL=warn \
+  (cd "$LOG_DIR" && env -u RUST_LOG -u TRIBUTARY_CONFIG DATABASE_URL="$DATABASE_URL_BENCH" TRIBUTARY_TELEMETRY__LOG_LEVEL=warn \
     "$tributary" migrate >"$LOG_DIR/migrate.log" 2>&1)
   bench_log "seeding $BENCH_USERS users x $BENCH_ORDERS_PER_USER orders into $BENCH_DB"
-  (cd "$REPO_DIR" && env -u RUST_LOG DATABASE_URL="$DATABASE_URL_BENCH" TRIBUTARY_TELEMETRY__LOG_LEVEL=warn \
+  (cd "$LOG_DIR" && env -u RUST_LOG -u TRIBUTARY_CONFIG DATABASE_URL="$DATABASE_URL_BENCH" TRIBUTARY_TELEMETRY__LOG_LEVEL=warn \
     "$tributary" seed --users "$BENCH_USERS" --orders-per-user "$BENCH_ORDERS_PER_USER" >"$LOG_DIR/seed.log" 2>&1)
 }
 
@@ -271,8 +272,11 @@ bench_start_gateway() {
   GATEWAY_ENV+=("$@")
   local tributary
   tributary="$(bench_gateway_bin tributary)"
-  cd "$REPO_DIR"
-  bench_start gateway "$SERVER_CPUS" env -u RUST_LOG "${GATEWAY_ENV[@]}" "$tributary" serve
+  # Started from the log directory, where there is no config/default.toml: the binary runs on its
+  # built-in defaults (equal to that file, a unit test checks) plus the settings above, and a
+  # config file edited in the work tree after the build cannot break or change a run.
+  cd "$LOG_DIR"
+  bench_start gateway "$SERVER_CPUS" env -u RUST_LOG -u TRIBUTARY_CONFIG "${GATEWAY_ENV[@]}" "$tributary" serve
   GATEWAY_PID=$BENCH_LAST_PID
   cd - >/dev/null
   bench_wait_http "http://127.0.0.1:$GATEWAY_PORT/readyz" 60 "$GATEWAY_PID"
@@ -287,14 +291,20 @@ bench_gateway_point() {
   local try
   BENCH_POINT_OK=0
   for try in 1 2; do
-    bench_start_gateway "${GATEWAY_SETTINGS[@]}"
-    if bench_gateway_run "$@"; then
+    if bench_start_gateway "${GATEWAY_SETTINGS[@]}" && bench_gateway_run "$@"; then
       bench_stop "$GATEWAY_PID"
       BENCH_POINT_OK=1
       return 0
     fi
-    bench_log "measurement $1 c=$2 rep $3 failed (try $try; gateway alive: $(bench_alive "$GATEWAY_PID" && echo yes || echo no))"
-    bench_stop "$GATEWAY_PID"
+    if bench_alive "$GATEWAY_PID"; then
+      bench_log "measurement $1 c=$2 rep $3 failed (try $try; the gateway is alive)"
+      bench_stop "$GATEWAY_PID"
+    else
+      local status=0
+      wait "$GATEWAY_PID" 2>/dev/null || status=$?
+      bench_log "measurement $1 c=$2 rep $3 failed (try $try): the gateway had exited with status $status (143: SIGTERM, 137: SIGKILL, 101: panic); log: $LOG_DIR/gateway.log"
+      echo "{\"variant\": \"$1\", \"connections\": $2, \"repetition\": $3, \"try\": $try, \"gateway_exit_status\": $status, \"at\": \"$(date -u +%FT%TZ)\"}" >>"$OUT_DIR/failures.jsonl"
+    fi
   done
   bench_log "skipping $1 c=$2 rep $3"
 }
