@@ -52,7 +52,10 @@ bench_init() {
   RESULTS_ROOT="${BENCH_OUT:-$BENCH_DIR/results}"
   OUT_DIR="$RESULTS_ROOT/$SCENARIO"
   LOG_DIR="$(mktemp -d "${TMPDIR:-/tmp}/bench-$SCENARIO.XXXXXX")"
-  rm -rf "$OUT_DIR/runs" "$OUT_DIR/failures.jsonl"
+  # BENCH_KEEP_RUNS=1 adds runs to the existing ones (e.g. one more variant) instead of starting over.
+  if [[ "${BENCH_KEEP_RUNS:-0}" != 1 ]]; then
+    rm -rf "$OUT_DIR/runs" "$OUT_DIR/failures.jsonl"
+  fi
   mkdir -p "$OUT_DIR/runs"
   python3 "$BENCH_DIR/lib/machine.py" >"$OUT_DIR/machine.json"
   export BENCH_COMMAND="${BENCH_COMMAND:-bench/run $SCENARIO$([[ "$BENCH_QUICK" == 1 ]] && echo ' --quick')}"

@@ -331,7 +331,10 @@ def plot(rows: list[dict], path: Path, title: str, runs: list[dict]) -> None:
         for variant in variants:
             vr = [r for r in rows if r["variant"] == variant]
             x = [r["x"] for r in vr]
-            line, = axes[0].plot(x, [r["ok_rps"] for r in vr], marker="o", label=f"{variant}")
+            line, = axes[0].plot(x, [r["ok_rps"] for r in vr], marker="o", label=f"{variant}: successful")
+            if any(r["rps"] and r["rps"] > 1.05 * (r["ok_rps"] or 0) for r in vr):
+                axes[0].plot(x, [r["rps"] for r in vr], marker=".", linestyle="--", color=line.get_color(),
+                             alpha=0.7, label=f"{variant}: all answers (incl. errors)")
             axes[0].plot(x, [r["limit_rps"] for r in vr], linestyle=":", color=line.get_color(), alpha=0.6)
             axes[1].plot(x, [r["latency_ms"]["p99"] for r in vr], marker="o", color=line.get_color(), label=f"{variant} p99")
             axes[1].plot(x, [r["latency_ms"]["p50"] for r in vr], marker=".", linestyle="--", color=line.get_color(), label=f"{variant} p50")
@@ -341,6 +344,10 @@ def plot(rows: list[dict], path: Path, title: str, runs: list[dict]) -> None:
             if max(xs) / max(min(xs), 1e-9) >= 10:
                 ax.set_xscale("log")
             ax.set_xlabel(x_name)
+        limits = [r["limit_rps"] for r in rows if r["limit_rps"]]
+        measured = [r["ok_rps"] for r in rows if r["ok_rps"]]
+        if limits and measured and max(limits) / max(min(measured), 1) >= 20:
+            axes[0].set_yscale("log")
         axes[0].set_title("successful req/s (dotted: Little's-law limit)", fontsize=9)
     else:
         import numpy as np
@@ -361,7 +368,7 @@ def plot(rows: list[dict], path: Path, title: str, runs: list[dict]) -> None:
             axes[2].set_xticks(idx, labels, rotation=20)
     axes[1].set_yscale("log")
     axes[1].set_ylabel("ms")
-    axes[1].set_title("client latency (log scale)", fontsize=9)
+    axes[1].set_title("client latency of all answers, errors included (log scale)", fontsize=9)
     if has_probe:
         axes[2].set_yscale("log")
         axes[2].set_ylabel("ms")

@@ -27,4 +27,4 @@ for size in "${sizes[@]}"; do
   fi
 done
 bench_stop_sims
-bench_report "pool: database pool size 2 to 200 at 500 connections (gateway on one core)"
+bench_report "pool: database pool size 1 to 200 at 500 connections (gateway on one core)"
