@@ -197,7 +197,12 @@ pass "three downstream simulators answer /healthz"
   export TRIBUTARY_ADMISSION__MAX_WAIT=1ms
   # A tiny pool: waiters, acquire waits and some acquire timeouts.
   export TRIBUTARY_DATABASE__MAX_CONNECTIONS=1
-  export TRIBUTARY_DATABASE__MIN_CONNECTIONS=1
+  # Migrations were applied above; with no start-up migration and min 0, requests open the
+  # connection themselves, so the connect-time histogram has data.
+  export TRIBUTARY_DATABASE__RUN_MIGRATIONS=false
+  export TRIBUTARY_DATABASE__MIN_CONNECTIONS=0
+  # Short-lived connections: requests keep reopening them during the traffic window.
+  export TRIBUTARY_DATABASE__MAX_LIFETIME=2s
   export TRIBUTARY_DATABASE__ACQUIRE_TIMEOUT=5ms
   # Rate limiting shared through a Redis that is not there: 429s and local fallbacks.
   export TRIBUTARY_RATE_LIMIT__ENABLED=true

@@ -116,6 +116,10 @@ pub struct DatabaseSettings {
     pub acquire_timeout: Duration,
     #[serde(with = "humantime_serde")]
     pub idle_timeout: Duration,
+    /// Connections are retired after this long, so the pool follows a failover or a DNS change
+    /// and server-side per-connection memory does not grow without bound.
+    #[serde(with = "humantime_serde")]
+    pub max_lifetime: Duration,
     /// Apply `migrations/` at start-up. Turn off when a separate job migrates.
     pub run_migrations: bool,
     /// Postgres `max_connections` of the server the fleet shares, for the pool-budget check.
@@ -134,6 +138,7 @@ impl Default for DatabaseSettings {
             min_connections: 2,
             acquire_timeout: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(600),
+            max_lifetime: Duration::from_secs(1800),
             run_migrations: true,
             server_max_connections: 100,
             reserved_connections: 10,

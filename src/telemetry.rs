@@ -359,6 +359,10 @@ fn install_recorder() -> anyhow::Result<PrometheusHandle> {
 }
 
 fn describe_all() {
+    describe_counter!(
+        "tributary_log_lines_dropped_total",
+        "Log lines dropped because the non-blocking log writer's queue was full."
+    );
     describe_histogram!(
         "http_server_request_duration_seconds",
         Unit::Seconds,
@@ -455,7 +459,7 @@ fn describe_all() {
     describe_histogram!(
         "tributary_db_pool_connect_duration_seconds",
         Unit::Seconds,
-        "Time of acquires that had to open a new database connection."
+        "Time of request acquires that had to open a new database connection (connections opened in the background for min_connections are not requests' latency and are not included)."
     );
     describe_counter!(
         "tributary_db_pool_acquire_timeouts_total",

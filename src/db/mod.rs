@@ -100,6 +100,7 @@ impl Db {
             .min_connections(settings.min_connections)
             .acquire_timeout(settings.acquire_timeout)
             .idle_timeout(settings.idle_timeout)
+            .max_lifetime(settings.max_lifetime)
             // No ping before every acquire (sqlx's default): it is a round trip on the hot path,
             // held with the connection. A connection broken by a server restart fails its next
             // statement instead, is discarded by sqlx, and that one part degrades.
