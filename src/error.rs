@@ -33,6 +33,12 @@ pub enum ApiError {
     /// 413: the request body is larger than `server.max_body_bytes`.
     #[error("request body too large")]
     PayloadTooLarge { limit: usize },
+    /// 431: more request headers, or a larger request head, than the server accepts.
+    #[error("request header fields too large")]
+    HeaderFieldsTooLarge {
+        max_headers: usize,
+        max_bytes: usize,
+    },
     /// 415: the body is not JSON.
     #[error("unsupported media type")]
     UnsupportedMediaType,
@@ -84,6 +90,7 @@ impl ApiError {
             ApiError::IdempotencyConflict => StatusCode::CONFLICT,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::HeaderFieldsTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::BadGateway { .. } => StatusCode::BAD_GATEWAY,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -110,6 +117,16 @@ impl ApiError {
             ApiError::PayloadTooLarge { limit } => (
                 "payload-too-large",
                 Some(format!("the request body must not exceed {limit} bytes")),
+                None,
+            ),
+            ApiError::HeaderFieldsTooLarge {
+                max_headers,
+                max_bytes,
+            } => (
+                "header-fields-too-large",
+                Some(format!(
+                    "at most {max_headers} request headers and {max_bytes} bytes of request head are accepted"
+                )),
                 None,
             ),
             ApiError::UnsupportedMediaType => (

@@ -58,6 +58,29 @@ pub async fn request_context(
         .unwrap_or_else(|| "unmatched".to_owned());
     let method = request.method().clone();
     let headers = request.headers();
+    // The configured header limits, answered with a problem document. hyper enforces twice these
+    // values as the hard memory bound and answers beyond that with a bare 431 of its own.
+    let server = &state.settings.server;
+    let head_bytes = request.uri().to_string().len()
+        + method.as_str().len()
+        + headers
+            .iter()
+            .map(|(name, value)| name.as_str().len() + value.len() + 4)
+            .sum::<usize>();
+    if headers.len() > server.max_headers || head_bytes > server.max_header_bytes {
+        let mut response = ApiError::HeaderFieldsTooLarge {
+            max_headers: server.max_headers,
+            max_bytes: server.max_header_bytes,
+        }
+        .into_response();
+        response
+            .headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        state
+            .telemetry
+            .record_request(&route, method.as_str(), 431, started.elapsed());
+        return response;
+    }
     let request_id: Arc<str> = match headers.get(REQUEST_ID).and_then(valid_request_id) {
         Some(id) => id.into(),
         None => uuid::Uuid::new_v4().simple().to_string().into(),

@@ -1321,6 +1321,33 @@ async fn too_many_headers_or_an_oversized_request_head_are_431() {
     let (response, _) = raw_exchange(&app, big.as_bytes()).await;
     assert!(response.starts_with("HTTP/1.1 431"), "{response:?}");
 
+    // Over the configured limits but within hyper's hard bounds (twice them): a problem document.
+    let mut some = String::from("GET /healthz HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n");
+    for i in 0..20 {
+        some.push_str(&format!("x-extra-{i}: {i}\r\n"));
+    }
+    some.push_str("\r\n");
+    let (response, _) = raw_exchange(&app, some.as_bytes()).await;
+    assert!(response.starts_with("HTTP/1.1 431"), "{response:?}");
+    assert!(
+        response.contains("application/problem+json"),
+        "{response:?}"
+    );
+    assert!(
+        response.contains("/problems/header-fields-too-large"),
+        "{response:?}"
+    );
+    let large = format!(
+        "GET /healthz HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\nx-big: {}\r\n\r\n",
+        "a".repeat(10_000)
+    );
+    let (response, _) = raw_exchange(&app, large.as_bytes()).await;
+    assert!(response.starts_with("HTTP/1.1 431"), "{response:?}");
+    assert!(
+        response.contains("/problems/header-fields-too-large"),
+        "{response:?}"
+    );
+
     // Within the limits the same request is fine.
     let (response, _) = raw_exchange(
         &app,
