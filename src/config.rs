@@ -198,6 +198,18 @@ impl Default for Downstreams {
 }
 
 impl Downstreams {
+    /// The five services' settings, mutably (tests and tools that set all of them at once).
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut DownstreamSettings> {
+        [
+            &mut self.users,
+            &mut self.carts,
+            &mut self.recommendations,
+            &mut self.promotions,
+            &mut self.notifications,
+        ]
+        .into_iter()
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = (&'static str, &DownstreamSettings)> {
         [
             ("users", &self.users),

@@ -15,13 +15,7 @@ async fn concurrent_requests_never_see_each_others_context() {
     // must not turn it into a latency test.
     let app = spawn_app_with(|s| {
         s.server.request_deadline = Duration::from_secs(20);
-        for d in [
-            &mut s.downstreams.users,
-            &mut s.downstreams.carts,
-            &mut s.downstreams.recommendations,
-            &mut s.downstreams.promotions,
-            &mut s.downstreams.notifications,
-        ] {
+        for d in s.downstreams.iter_mut() {
             d.timeout = Duration::from_secs(10);
         }
         s.database.acquire_timeout = Duration::from_secs(10);

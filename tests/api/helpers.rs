@@ -97,13 +97,7 @@ pub fn test_settings(sim_url: &str, database_url: &str) -> Settings {
     s.database.min_connections = 0;
     s.database.max_connections = 5;
     s.database.max_replicas = 1;
-    for d in [
-        &mut s.downstreams.users,
-        &mut s.downstreams.carts,
-        &mut s.downstreams.recommendations,
-        &mut s.downstreams.promotions,
-        &mut s.downstreams.notifications,
-    ] {
+    for d in s.downstreams.iter_mut() {
         d.base_url = sim_url.to_owned();
         d.timeout = Duration::from_millis(500);
     }

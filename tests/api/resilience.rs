@@ -94,13 +94,7 @@ fn every_downstream(
     s: &mut tributary::Settings,
     f: impl Fn(&mut tributary::config::DownstreamSettings),
 ) {
-    for d in [
-        &mut s.downstreams.users,
-        &mut s.downstreams.carts,
-        &mut s.downstreams.recommendations,
-        &mut s.downstreams.promotions,
-        &mut s.downstreams.notifications,
-    ] {
+    for d in s.downstreams.iter_mut() {
         f(d);
     }
 }
