@@ -176,12 +176,20 @@ impl Db {
         &self,
         max_wait: Duration,
     ) -> Result<PoolConnection<sqlx::Postgres>, AcquireError> {
+        self.acquire_until(Instant::now() + max_wait).await
+    }
+
+    /// Acquires a connection, waiting until `deadline` at most.
+    async fn acquire_until(
+        &self,
+        deadline: Instant,
+    ) -> Result<PoolConnection<sqlx::Postgres>, AcquireError> {
         let m = &self.metrics;
         let _waiting = WaiterGuard::new(m);
         let started = Instant::now();
         let (result, opened) = OPENED_CONNECTION
             .scope(Cell::new(false), async {
-                let r = tokio::time::timeout(max_wait, self.pool.acquire()).await;
+                let r = tokio::time::timeout_at(deadline, self.pool.acquire()).await;
                 (r, OPENED_CONNECTION.with(Cell::get))
             })
             .await;
@@ -212,13 +220,16 @@ impl Db {
     pub async fn acquire_for_request(
         &self,
     ) -> Result<(PoolConnection<sqlx::Postgres>, Duration), AcquireError> {
-        let remaining = crate::context::current()
-            .map(|c| c.remaining())
-            .unwrap_or(Duration::from_secs(30));
-        if remaining < MIN_STATEMENT_TIMEOUT {
+        let deadline = crate::context::current()
+            .map(|c| c.deadline)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(30));
+        if deadline.saturating_duration_since(Instant::now()) < MIN_STATEMENT_TIMEOUT {
             return Err(AcquireError::BudgetExhausted);
         }
-        let conn = self.acquire(remaining).await?;
+        // The request's own deadline instant, not "now + what is left": a caller that bounds
+        // this part by the same deadline (the fan-out does) then sees the pool's timeout fire
+        // in the same timer tick, first, and the wait is counted as the acquire timeout it is.
+        let conn = self.acquire_until(deadline).await?;
         let left = crate::context::current()
             .map(|c| c.remaining())
             .unwrap_or(Duration::from_secs(30));
