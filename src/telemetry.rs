@@ -16,18 +16,28 @@
 //! instrument is a no-op, which is how the benchmark lab measures instrumentation cost.
 
 use std::{
+    collections::HashMap,
     future::Future,
     pin::Pin,
-    sync::{Arc, Mutex, OnceLock},
+    sync::{Arc, Mutex, OnceLock, RwLock},
     task::{Context, Poll},
     time::Duration,
 };
 
-use axum::http::HeaderMap;
-use metrics::{Counter, Gauge, Unit, describe_counter, describe_gauge, describe_histogram};
+use axum::http::{HeaderMap, Method};
+use metrics::{
+    Counter, Gauge, Histogram, Unit, describe_counter, describe_gauge, describe_histogram,
+};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::time::Instant;
-use tracing_subscriber::{EnvFilter, layer::SubscriberExt, util::SubscriberInitExt};
+use tracing_subscriber::{
+    EnvFilter, Layer,
+    filter::{FilterExt, Targets, filter_fn},
+    fmt::MakeWriter,
+    layer::SubscriberExt,
+    registry::LookupSpan,
+    util::SubscriberInitExt,
+};
 
 use crate::{
     config::{LogFormat, TelemetrySettings},
@@ -44,16 +54,24 @@ const LATENCY_BUCKETS: &[f64] = &[
 /// when several applications start at once (tests do); nothing awaits while it is held.
 static PROMETHEUS: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
 
-/// Lines the non-blocking log writer dropped because its queue was full.
-static LOG_DROPS: OnceLock<tracing_appender::non_blocking::ErrorCounter> = OnceLock::new();
+mod log_sink;
+
+pub use log_sink::{LogSink, LogSinkGuard};
+
+/// The process's log sink, for the count of lines it dropped because its buffer was full.
+static LOG_SINK: OnceLock<LogSink> = OnceLock::new();
+
+/// At most this many bytes of log lines wait in memory for the writer thread (about 10,000
+/// request lines); beyond it lines are dropped and counted.
+const LOG_BUFFER_BYTES: usize = 4 << 20;
 
 /// Process-wide flag: whether spans are exported through OpenTelemetry.
 static OTEL_ACTIVE: OnceLock<bool> = OnceLock::new();
 
 /// Keeps the trace pipeline alive; flushes pending spans when dropped.
 pub struct TracingGuard {
-    /// Flushes buffered log lines when dropped.
-    _writer: tracing_appender::non_blocking::WorkerGuard,
+    /// Writes out buffered log lines when dropped.
+    _logs: LogSinkGuard,
     #[cfg(feature = "otel")]
     provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
 }
@@ -67,72 +85,136 @@ impl Drop for TracingGuard {
     }
 }
 
-/// Installs the global `tracing` subscriber: JSON or human-readable logs, the filter, and the
+/// The name of the one span per request; the log layer sees no other span.
+pub const REQUEST_SPAN: &str = "http.request";
+
+/// Installs the global `tracing` subscriber: JSON or human-readable logs on stdout, and the
 /// OpenTelemetry layer when an OTLP endpoint is configured. Call once, early in `main`.
 pub fn init_tracing(settings: &TelemetrySettings) -> anyhow::Result<TracingGuard> {
-    let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(&settings.log_level))
-        .map_err(|e| anyhow::anyhow!("telemetry.log_level is not a valid filter: {e}"))?;
-    // Log lines are handed to a dedicated writer thread through a bounded queue: a write to a
-    // slow stdout (a full pipe, a stalled log shipper) must never block an async worker. When
-    // the queue is full, lines are dropped and counted rather than waited for.
-    let (writer, writer_guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
-        .lossy(true)
-        .buffered_lines_limit(64 * 1024)
-        .thread_name("log-writer")
-        .finish(std::io::stdout());
-    let _ = LOG_DROPS.set(writer.error_counter());
-    let (json, pretty) = match settings.log_format {
-        LogFormat::Json => (
-            Some(
-                tracing_subscriber::fmt::layer()
-                    .json()
-                    .flatten_event(true)
-                    .with_current_span(true)
-                    .with_span_list(false)
-                    .with_writer(writer),
-            ),
-            None,
-        ),
-        LogFormat::Pretty => (
-            None,
-            Some(
-                tracing_subscriber::fmt::layer()
-                    .compact()
-                    .with_writer(writer),
-            ),
-        ),
-    };
-    #[cfg(feature = "otel")]
-    let (otel_layer, provider) = match &settings.otlp_endpoint {
-        Some(endpoint) => {
-            let (layer, provider) = otel::layer(settings, endpoint)?;
-            (Some(layer), Some(provider))
-        }
-        None => (None, None),
-    };
-    #[cfg(feature = "otel")]
-    let _ = OTEL_ACTIVE.set(provider.is_some());
-    #[cfg(not(feature = "otel"))]
-    let _ = OTEL_ACTIVE.set(false);
-
-    let registry = tracing_subscriber::registry()
-        .with(filter)
-        .with(json)
-        .with(pretty);
-    #[cfg(feature = "otel")]
-    let registry = registry.with(otel_layer);
-    registry
-        .try_init()
-        .map_err(|e| anyhow::anyhow!("a tracing subscriber is already installed: {e}"))?;
+    // Log lines never wait for stdout: see `log_sink`.
+    let (writer, logs_guard) = LogSink::spawn(std::io::stdout(), LOG_BUFFER_BYTES)?;
+    let _ = LOG_SINK.set(writer.clone());
+    #[cfg_attr(not(feature = "otel"), allow(unused_variables))]
+    let provider = install_subscriber(settings, writer)?;
     Ok(TracingGuard {
-        _writer: writer_guard,
+        _logs: logs_guard,
         #[cfg(feature = "otel")]
         provider,
     })
 }
 
-fn otel_active() -> bool {
+#[cfg(feature = "otel")]
+type TracerProvider = Option<opentelemetry_sdk::trace::SdkTracerProvider>;
+#[cfg(not(feature = "otel"))]
+type TracerProvider = ();
+
+/// Installs the subscriber with logs going to `writer` (`main` passes the non-blocking stdout
+/// writer, tests a buffer) and returns the trace pipeline to keep alive.
+///
+/// Logs see events and the request span, nothing else: the per-call and per-query spans exist
+/// for traces, and formatting their fields on every request for log lines that never show them
+/// was most of the cost of logging (measured with `bench/run instrumentation`). An event inside
+/// a downstream call still carries the request span's fields (request id, trace id, route).
+///
+/// Without OpenTelemetry the filters are global, so the per-call spans are disabled at their
+/// call sites and cost nothing, and entering the request span on every poll touches no filter
+/// state. With it, each layer has its own filter: the log level governs log lines, the sampler
+/// governs traces, and `log_level = "warn"` does not silently turn tracing off.
+///
+/// JSON lines are written by `json-subscriber`, which keeps each span's fields serialised once
+/// instead of re-parsing them for every line.
+pub fn install_subscriber<W>(
+    settings: &TelemetrySettings,
+    writer: W,
+) -> anyhow::Result<TracerProvider>
+where
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
+    let directives = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .unwrap_or_else(|| settings.log_level.clone());
+    let filter = LogFilter::parse(&directives)?;
+    let only_request_span = filter_fn(|meta| !meta.is_span() || meta.name() == REQUEST_SPAN);
+
+    #[cfg(feature = "otel")]
+    if let Some(endpoint) = &settings.otlp_endpoint {
+        let (otel_layer, provider) = otel::layer(settings, endpoint)?;
+        let log_filter = match filter {
+            LogFilter::Targets(t) => FilterExt::boxed(t),
+            LogFilter::Env(e) => FilterExt::boxed(e),
+        };
+        let _ = OTEL_ACTIVE.set(true);
+        tracing_subscriber::registry()
+            .with(
+                log_format_layer(settings.log_format, writer)
+                    .with_filter(log_filter.and(only_request_span)),
+            )
+            .with(otel_layer.with_filter(tracing_subscriber::filter::LevelFilter::INFO))
+            .try_init()
+            .map_err(|e| anyhow::anyhow!("a tracing subscriber is already installed: {e}"))?;
+        return Ok(Some(provider));
+    }
+    let _ = OTEL_ACTIVE.set(false);
+    let (targets, env) = match filter {
+        LogFilter::Targets(t) => (Some(t), None),
+        LogFilter::Env(e) => (None, Some(e)),
+    };
+    tracing_subscriber::registry()
+        .with(targets)
+        .with(env)
+        .with(only_request_span)
+        .with(log_format_layer(settings.log_format, writer))
+        .try_init()
+        .map_err(|e| anyhow::anyhow!("a tracing subscriber is already installed: {e}"))?;
+    #[cfg(feature = "otel")]
+    return Ok(None);
+    #[cfg(not(feature = "otel"))]
+    Ok(())
+}
+
+/// The log filter. Plain `target=level` directives (the shipped `info`, or `warn,tributary=debug`)
+/// become a `Targets` filter, which decides per call site once and never looks at a span on
+/// enter or exit; directives that need `EnvFilter`'s span and field matching still work, at
+/// that filter's cost.
+#[allow(clippy::large_enum_variant)] // built once at start-up and moved into the subscriber
+enum LogFilter {
+    Targets(Targets),
+    Env(EnvFilter),
+}
+
+impl LogFilter {
+    fn parse(directives: &str) -> anyhow::Result<Self> {
+        if let Ok(targets) = directives.parse::<Targets>() {
+            return Ok(Self::Targets(targets));
+        }
+        EnvFilter::try_new(directives)
+            .map(Self::Env)
+            .map_err(|e| anyhow::anyhow!("telemetry.log_level is not a valid filter: {e}"))
+    }
+}
+
+fn log_format_layer<S, W>(format: LogFormat, writer: W) -> Box<dyn Layer<S> + Send + Sync + 'static>
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
+    match format {
+        LogFormat::Json => json_subscriber::fmt::layer()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(false)
+            .with_writer(writer)
+            .boxed(),
+        LogFormat::Pretty => tracing_subscriber::fmt::layer()
+            .compact()
+            .with_writer(writer)
+            .boxed(),
+    }
+}
+
+/// Whether spans are exported through OpenTelemetry (an OTLP endpoint is configured).
+pub fn otel_active() -> bool {
     OTEL_ACTIVE.get().copied().unwrap_or(false)
 }
 
@@ -188,10 +270,27 @@ pub fn outgoing_trace_headers() -> (Option<String>, Option<String>) {
     (ctx.map(|c| c.traceparent()), tracestate)
 }
 
+/// Trace ids for a request when spans are not exported: the caller's trace id (or a new one),
+/// a new span id for this hop, and the caller's `tracestate` passed on. They go into logs and
+/// into the `traceparent` of every downstream call, so traces still join up across services.
+pub fn local_trace_ids(incoming: Option<&TraceParent>, headers: &HeaderMap) -> TraceIds {
+    let tracestate = incoming
+        .and(headers.get("tracestate"))
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    TraceIds {
+        trace_id: incoming.map_or_else(|| random_hex(16), |t| t.trace_id.clone()),
+        span_id: random_hex(8),
+        sampled: incoming.is_none_or(|t| t.sampled),
+        tracestate,
+    }
+}
+
 /// Instruments shared by every request, created once.
 pub struct Telemetry {
     settings: TelemetrySettings,
     handle: Option<PrometheusHandle>,
+    requests: RequestInstruments,
     active: Gauge,
     long_polls: Counter,
 }
@@ -207,6 +306,7 @@ impl Telemetry {
         Ok(Arc::new(Self {
             settings: settings.clone(),
             handle,
+            requests: RequestInstruments::default(),
             active: metrics::gauge!("http_server_active_requests"),
             long_polls: metrics::counter!("tributary_runtime_long_polls_total"),
         }))
@@ -223,60 +323,25 @@ impl Telemetry {
     }
 
     /// RED metrics by route template.
-    pub fn record_request(&self, route: &str, method: &str, status: u16, elapsed: Duration) {
+    pub fn record_request(&self, route: &str, method: &Method, status: u16, elapsed: Duration) {
         if self.handle.is_none() {
             return;
         }
-        let class = match status {
-            100..=199 => "1xx",
-            200..=299 => "2xx",
-            300..=399 => "3xx",
-            400..=499 => "4xx",
-            _ => "5xx",
-        };
-        let route = route.to_owned();
-        let method = method.to_owned();
-        metrics::histogram!(
-            "http_server_request_duration_seconds",
-            "http_route" => route.clone(),
-            "http_request_method" => method.clone(),
-            "http_response_status_code" => status.to_string()
-        )
-        .record(elapsed.as_secs_f64());
-        metrics::counter!(
-            "tributary_http_requests_total",
-            "http_route" => route,
-            "http_request_method" => method,
-            "status_class" => class
-        )
-        .increment(1);
+        let method = method_label(method);
+        let handles = self.requests.handles(route, method, status);
+        handles.duration.record(elapsed.as_secs_f64());
+        handles.requests.increment(1);
     }
 
-    /// Links `span` to the caller's trace (if any) and returns the ids this request uses in
-    /// logs and outgoing `traceparent` headers.
-    pub fn attach_trace(
-        &self,
-        span: &tracing::Span,
-        incoming: Option<&TraceParent>,
-        headers: &HeaderMap,
-    ) -> TraceIds {
+    /// Links `span` to the caller's trace and returns the ids the exported span got, when spans
+    /// are exported; `None` otherwise (use [`local_trace_ids`]).
+    pub fn attach_trace(&self, span: &tracing::Span, headers: &HeaderMap) -> Option<TraceIds> {
         #[cfg(feature = "otel")]
-        if otel_active()
-            && let Some(ids) = otel::attach(span, headers)
-        {
-            return ids;
+        if otel_active() {
+            return otel::attach(span, headers);
         }
-        let _ = span;
-        let tracestate = incoming
-            .and(headers.get("tracestate"))
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        TraceIds {
-            trace_id: incoming.map_or_else(|| random_hex(16), |t| t.trace_id.clone()),
-            span_id: random_hex(8),
-            sampled: incoming.is_none_or(|t| t.sampled),
-            tracestate,
-        }
+        let _ = (span, headers);
+        None
     }
 
     fn long_poll(&self, took: Duration) {
@@ -286,6 +351,92 @@ impl Telemetry {
             threshold_ms = self.settings.long_poll_threshold.as_secs_f64() * 1000.0,
             "long poll: a task held a worker thread; look for blocking calls or CPU work on the async path"
         );
+    }
+}
+
+/// The HTTP method as a bounded label: the methods HTTP defines, and `_OTHER` for anything
+/// else, as the OpenTelemetry HTTP conventions say (a client can send any token as a method).
+fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::HEAD => "HEAD",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::CONNECT => "CONNECT",
+        Method::OPTIONS => "OPTIONS",
+        Method::TRACE => "TRACE",
+        Method::PATCH => "PATCH",
+        _ => "_OTHER",
+    }
+}
+
+/// The request histogram and counter for one (route, method, status), registered on first use.
+/// Going through the `metrics` macros on every request would build two label sets (allocating
+/// the route and status strings) and look both up in the registry; a request instead finds its
+/// handles here with one read lock and a short scan. The set is bounded: route templates times
+/// the methods above times the status codes the gateway answers with.
+#[derive(Default)]
+struct RequestInstruments {
+    by_route: RwLock<HashMap<Box<str>, Vec<RequestHandles>>>,
+}
+
+#[derive(Clone)]
+struct RequestHandles {
+    method: &'static str,
+    status: u16,
+    duration: Histogram,
+    requests: Counter,
+}
+
+impl RequestInstruments {
+    fn handles(&self, route: &str, method: &'static str, status: u16) -> RequestHandles {
+        let find = |handles: &[RequestHandles]| {
+            handles
+                .iter()
+                .find(|h| h.status == status && h.method == method)
+                .cloned()
+        };
+        // Neither lock is held across an await; a poisoned lock still holds valid handles.
+        if let Some(found) = self
+            .by_route
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(route)
+            .and_then(|h| find(h))
+        {
+            return found;
+        }
+        let mut by_route = self.by_route.write().unwrap_or_else(|p| p.into_inner());
+        let handles = by_route.entry(route.into()).or_default();
+        if let Some(found) = find(handles) {
+            return found;
+        }
+        let class = match status {
+            100..=199 => "1xx",
+            200..=299 => "2xx",
+            300..=399 => "3xx",
+            400..=499 => "4xx",
+            _ => "5xx",
+        };
+        let created = RequestHandles {
+            method,
+            status,
+            duration: metrics::histogram!(
+                "http_server_request_duration_seconds",
+                "http_route" => route.to_owned(),
+                "http_request_method" => method,
+                "http_response_status_code" => status.to_string()
+            ),
+            requests: metrics::counter!(
+                "tributary_http_requests_total",
+                "http_route" => route.to_owned(),
+                "http_request_method" => method,
+                "status_class" => class
+            ),
+        };
+        handles.push(created.clone());
+        created
     }
 }
 
@@ -607,8 +758,8 @@ pub fn spawn_runtime_samplers(
             global.set(rt.global_queue_depth() as f64);
             blocking.set(rt.num_blocking_threads() as f64);
             blocking_queue.set(rt.blocking_queue_depth() as f64);
-            if let Some(drops) = LOG_DROPS.get() {
-                log_drops.absolute(drops.dropped_lines() as u64);
+            if let Some(sink) = LOG_SINK.get() {
+                log_drops.absolute(sink.dropped_lines());
             }
             if let Some(db) = &db {
                 db.record_pool_gauges();

@@ -89,16 +89,19 @@ impl Drop for Ticket<'_> {
 }
 
 pub struct Breaker {
+    /// The downstream's name, for the state-change log line.
+    name: &'static str,
     settings: CircuitBreakerSettings,
     inner: Mutex<Inner>,
     gauge: Gauge,
 }
 
 impl Breaker {
-    pub fn new(settings: CircuitBreakerSettings, gauge: Gauge) -> Self {
+    pub fn new(name: &'static str, settings: CircuitBreakerSettings, gauge: Gauge) -> Self {
         let now = Instant::now();
         gauge.set(State::Closed.gauge_value());
         Self {
+            name,
             settings,
             inner: Mutex::new(Inner {
                 state: State::Closed,
@@ -207,7 +210,7 @@ impl Breaker {
 
     fn transition(&self, s: &mut Inner, to: State, now: Instant) {
         if s.state != to {
-            tracing::warn!(from = ?s.state, to = ?to, "circuit breaker state change");
+            tracing::warn!(downstream = self.name, from = ?s.state, to = ?to, "circuit breaker state change");
         }
         s.state = to;
         s.window_started = now;
@@ -230,6 +233,7 @@ mod tests {
 
     fn breaker() -> Breaker {
         Breaker::new(
+            "test",
             CircuitBreakerSettings {
                 enabled: true,
                 failure_ratio: 0.5,

@@ -204,6 +204,7 @@ impl Downstream {
             hedge_after: settings.hedge_after,
             bulkhead: Arc::new(Semaphore::new(settings.max_concurrency)),
             breaker: Breaker::new(
+                name,
                 breaker.clone(),
                 metrics::gauge!("tributary_downstream_circuit_state", "downstream" => name),
             ),
@@ -286,7 +287,7 @@ impl Downstream {
                     }
                     attempt += 1;
                     self.metrics.retries.increment(1);
-                    tracing::debug!(error = %e, attempt, "retrying");
+                    tracing::debug!(downstream = service, error = %e, attempt, "retrying");
                     tokio::time::sleep(backoff).await;
                 }
                 other => break other,
@@ -362,7 +363,12 @@ impl Downstream {
                 .await
                 .map_err(|source| CallError::Transport { service, source })?;
             let status = response.status();
-            tracing::Span::current().record("http.response.status_code", status.as_u16());
+            // The current span is this call's only when spans are exported; otherwise the call
+            // span is disabled and the current span is the request's, which must not get the
+            // downstream's status.
+            if crate::telemetry::otel_active() {
+                tracing::Span::current().record("http.response.status_code", status.as_u16());
+            }
             if !status.is_success() {
                 return Err(CallError::Status {
                     service,

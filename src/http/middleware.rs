@@ -78,7 +78,7 @@ pub async fn request_context(
             .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         state
             .telemetry
-            .record_request(&route, method.as_str(), 431, started.elapsed());
+            .record_request(&route, &method, 431, started.elapsed());
         return response;
     }
     let request_id: Arc<str> = match headers.get(REQUEST_ID).and_then(valid_request_id) {
@@ -89,8 +89,12 @@ pub async fn request_context(
     let budget = caller_budget(headers).map_or(budget, |b| b.min(budget));
     let incoming_trace = telemetry::parse_traceparent(headers);
 
+    // Without span export the ids are known now and go into the span as it is created: every
+    // later `record` costs the log layer a re-serialisation of the span's fields.
+    let otel = telemetry::otel_active();
+    let local_trace = (!otel).then(|| telemetry::local_trace_ids(incoming_trace.as_ref(), headers));
     let span = tracing::info_span!(
-        "http.request",
+        telemetry::REQUEST_SPAN,
         otel.name = %format_args!("{method} {route}"),
         otel.kind = "server",
         otel.status_code = tracing::field::Empty,
@@ -99,15 +103,21 @@ pub async fn request_context(
         url.path = %request.uri().path(),
         http.response.status_code = tracing::field::Empty,
         request_id = %request_id,
-        trace_id = tracing::field::Empty,
-        span_id = tracing::field::Empty,
+        trace_id = local_trace.as_ref().map(|t| t.trace_id.as_str()),
+        span_id = local_trace.as_ref().map(|t| t.span_id.as_str()),
         user_id = tracing::field::Empty,
     );
-    let trace = state
-        .telemetry
-        .attach_trace(&span, incoming_trace.as_ref(), headers);
-    span.record("trace_id", trace.trace_id.as_str());
-    span.record("span_id", trace.span_id.as_str());
+    let trace = match local_trace {
+        Some(trace) => trace,
+        None => match state.telemetry.attach_trace(&span, headers) {
+            Some(trace) => {
+                span.record("trace_id", trace.trace_id.as_str());
+                span.record("span_id", trace.span_id.as_str());
+                trace
+            }
+            None => telemetry::local_trace_ids(incoming_trace.as_ref(), headers),
+        },
+    };
 
     let ctx = Arc::new(RequestContext::new(
         Arc::clone(&request_id),
@@ -128,18 +138,23 @@ pub async fn request_context(
     let elapsed = started.elapsed();
     state
         .telemetry
-        .record_request(&route, method.as_str(), status.as_u16(), elapsed);
-    span.record("http.response.status_code", status.as_u16());
-    if status.is_server_error() {
-        span.record("otel.status_code", "ERROR");
-    }
-    if let Some(user_id) = ctx.user_id() {
-        span.record("user_id", user_id);
+        .record_request(&route, &method, status.as_u16(), elapsed);
+    let user_id = ctx.user_id();
+    if otel {
+        // The exported server span's attributes; the log line below carries the same values.
+        span.record("http.response.status_code", status.as_u16());
+        if status.is_server_error() {
+            span.record("otel.status_code", "ERROR");
+        }
+        if let Some(user_id) = user_id {
+            span.record("user_id", user_id);
+        }
     }
     let _entered = span.enter();
     tracing::info!(
         status = status.as_u16(),
         route = %route,
+        user_id,
         latency_ms = elapsed.as_secs_f64() * 1000.0,
         "request completed"
     );

@@ -44,14 +44,13 @@ pub fn captured_logs() -> &'static Arc<Mutex<Vec<u8>>> {
             let buf = Arc::clone(&buf);
             move || LogWriter(Arc::clone(&buf))
         };
-        let _ = tracing_subscriber::fmt()
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
-            // Spans are info-level: a stricter filter would drop the request span from the lines.
-            .with_env_filter("warn,tributary=info")
-            .with_writer(writer)
-            .try_init();
+        // The gateway's own subscriber, as `main` installs it, writing into the buffer. Spans are
+        // info-level: a stricter filter would drop the request span from the lines.
+        let settings = tributary::config::TelemetrySettings {
+            log_level: "warn,tributary=info".into(),
+            ..Default::default()
+        };
+        let _ = tributary::telemetry::install_subscriber(&settings, writer);
         buf
     })
 }

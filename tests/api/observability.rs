@@ -141,3 +141,78 @@ async fn metrics_expose_every_family_with_bounded_labels() {
     // 1 ms and 1 s are both bucket boundaries.
     assert!(text.contains(r#"le="0.001""#) && text.contains(r#"le="1""#));
 }
+
+#[tokio::test]
+async fn every_request_line_carries_ids_route_status_and_latency() {
+    let app = spawn_app().await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let parent_id = "00f067aa0ba902b7";
+    let resp = app
+        .client
+        .get(app.url("/api/v1/dashboard/3"))
+        .header("x-request-id", "logline-1")
+        .header("traceparent", format!("00-{trace_id}-{parent_id}-01"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+
+    let line = log_lines()
+        .into_iter()
+        .find(|l| l["span"]["request_id"] == "logline-1" && l["message"] == "request completed")
+        .expect("a request line for the request");
+    assert_eq!(line["level"], "INFO", "{line}");
+    assert_eq!(line["span"]["name"], "http.request", "{line}");
+    assert_eq!(line["span"]["trace_id"], trace_id, "{line}");
+    let span_id = line["span"]["span_id"].as_str().expect("span_id");
+    assert!(
+        span_id.len() == 16
+            && span_id.bytes().all(|b| b.is_ascii_hexdigit())
+            && span_id != parent_id,
+        "this hop's own span id: {line}"
+    );
+    assert_eq!(line["route"], "/api/v1/dashboard/{user_id}", "{line}");
+    assert_eq!(
+        line["span"]["http.route"], "/api/v1/dashboard/{user_id}",
+        "{line}"
+    );
+    assert_eq!(line["status"], 200, "{line}");
+    assert_eq!(line["user_id"], 3, "{line}");
+    let latency = line["latency_ms"].as_f64().expect("latency_ms");
+    assert!(latency > 0.0 && latency < 10_000.0, "{line}");
+
+    // The per-call and per-query spans are for traces: no log line is ever attributed to one.
+    let lines = log_lines();
+    assert!(
+        lines
+            .iter()
+            .all(|l| l["span"]["name"].is_null() || l["span"]["name"] == "http.request"),
+        "a log line carried a span other than the request span"
+    );
+}
+
+#[tokio::test]
+async fn a_request_without_trace_context_gets_fresh_ids_in_its_line() {
+    let app = spawn_app().await;
+    let resp = app
+        .client
+        .get(app.url("/api/v1/orders/999999999"))
+        .header("x-request-id", "logline-2")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+    let line = log_lines()
+        .into_iter()
+        .find(|l| l["span"]["request_id"] == "logline-2" && l["message"] == "request completed")
+        .expect("a request line for the request");
+    let hex = |v: &serde_json::Value, n: usize| {
+        v.as_str()
+            .is_some_and(|s| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit()))
+    };
+    assert!(hex(&line["span"]["trace_id"], 32), "{line}");
+    assert!(hex(&line["span"]["span_id"], 16), "{line}");
+    assert_eq!(line["status"], 404, "{line}");
+    assert_eq!(line["route"], "/api/v1/orders/{id}", "{line}");
+    assert!(line["user_id"].is_null(), "{line}");
+}
