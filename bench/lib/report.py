@@ -311,9 +311,51 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
                 "that is all a Prometheus histogram knows. \"≤ 1 ms\" uses the request histogram's 1 ms bucket; "
                 "λ·W is Little's law for the pool: recent_orders queries per second × their mean duration; "
                 "in-flight and pool-in-use means are sampled from /metrics once a second."]
+    out += baseline_comparison(rows, runs)
     out += ["", "![plot](plot.png)", "", "One JSON per run is in `runs/` (wrk command, per-process CPU, core "
             "busy fractions, RSS samples, metric deltas).", ""]
     return "\n".join(out)
+
+
+def baseline_comparison(rows: list[dict], runs: list[dict]) -> list[str]:
+    """Each variant against the `uninstrumented` baseline at the same x, when there is one: the ratio
+    of the medians, and the median of the per-repetition ratios (repetitions alternate the variants,
+    so repetition i of each was measured minutes apart: pairing them cancels slow drift)."""
+    base_name = "uninstrumented"
+    if not any(r["variant"] == base_name for r in rows):
+        return []
+    def cpu(run):
+        return dig(run, "server", "cpu_s_per_1000_requests")
+    clean = [r for r in runs if not dig(r, "conditions", "disturbed")]
+    by_key = {(r["variant"], r["x"]["value"], r["repetition"]): r for r in clean}
+    out = ["", f"## Against the `{base_name}` baseline", "",
+           "Ratios of each variant to the baseline at the same concurrency: of the medians, and (in brackets) "
+           "the median of the per-repetition ratios with their range. Throughput below 1 and CPU above 1 are the "
+           "cost of what the variant turns on.", "",
+           "| variant | concurrency | ok req/s ratio | server CPU per request ratio | repetitions paired |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        if r["variant"] == base_name:
+            continue
+        base = next((b for b in rows if b["variant"] == base_name and b["x"] == r["x"]), None)
+        if not base or not base["ok_rps"] or not base["server_cpu_ms_per_request"]:
+            continue
+        pairs = [(by_key[(r["variant"], r["x"], rep)], by_key[(base_name, r["x"], rep)])
+                 for (v, x, rep) in by_key if v == r["variant"] and x == r["x"] and (base_name, x, rep) in by_key]
+        tput = [a["ok_rps"] / b["ok_rps"] for a, b in pairs if b["ok_rps"]]
+        cpus = [cpu(a) / cpu(b) for a, b in pairs if cpu(a) and cpu(b)]
+        def cell(med_ratio, paired):
+            text = f"{med_ratio:.3f}"
+            if paired:
+                text += f" ({median(paired):.3f}; {min(paired):.3f}–{max(paired):.3f})"
+            return text
+        out.append("| " + " | ".join([
+            r["variant"], fmt(r["x"], 0),
+            cell(r["ok_rps"] / base["ok_rps"], tput),
+            cell((r["server_cpu_ms_per_request"] or 0) / base["server_cpu_ms_per_request"], cpus),
+            str(len(pairs)),
+        ]) + " |")
+    return out
 
 
 def plot(rows: list[dict], path: Path, title: str, runs: list[dict]) -> None:
