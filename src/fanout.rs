@@ -13,6 +13,7 @@
 
 use std::{fmt::Write, time::Duration};
 
+use metrics::{Counter, Histogram};
 use serde::Serialize;
 use serde_json::value::RawValue;
 use tokio::time::Instant;
@@ -160,7 +161,7 @@ pub async fn dashboard(state: &AppState, user_id: i64) -> Result<(Dashboard, Tim
         .map_err(|reason| degrade(&mut degraded, 5, reason))
         .ok();
 
-    record_critical_path(&timings);
+    state.telemetry.fanout.record(&timings);
     Ok((
         Dashboard {
             user_id,
@@ -182,11 +183,39 @@ fn degrade(degraded: &mut Vec<&'static str>, part: usize, reason: &'static str) 
         .increment(1);
 }
 
-fn record_critical_path(t: &Timings) {
-    if let Some((part, slowest)) = t.parts.iter().max_by_key(|p| p.1) {
-        metrics::counter!("tributary_fanout_critical_path_total", "part" => *part).increment(1);
-        metrics::histogram!("tributary_fanout_gateway_overhead_seconds")
-            .record(t.total.saturating_sub(*slowest).as_secs_f64());
+/// The fan-out's per-request instruments, registered once (see `Telemetry::new`).
+pub struct FanoutMetrics {
+    critical_path: [(&'static str, Counter); 6],
+    overhead: Histogram,
+}
+
+impl FanoutMetrics {
+    pub fn new() -> Self {
+        Self {
+            critical_path: PARTS.map(|(label, _)| {
+                (
+                    label,
+                    metrics::counter!("tributary_fanout_critical_path_total", "part" => label),
+                )
+            }),
+            overhead: metrics::histogram!("tributary_fanout_gateway_overhead_seconds"),
+        }
+    }
+
+    fn record(&self, t: &Timings) {
+        if let Some((part, slowest)) = t.parts.iter().max_by_key(|p| p.1) {
+            if let Some((_, counter)) = self.critical_path.iter().find(|(l, _)| l == part) {
+                counter.increment(1);
+            }
+            self.overhead
+                .record(t.total.saturating_sub(*slowest).as_secs_f64());
+        }
+    }
+}
+
+impl Default for FanoutMetrics {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

@@ -291,6 +291,8 @@ pub struct Telemetry {
     settings: TelemetrySettings,
     handle: Option<PrometheusHandle>,
     requests: RequestInstruments,
+    /// The dashboard fan-out's critical-path counters and overhead histogram.
+    pub fanout: crate::fanout::FanoutMetrics,
     active: Gauge,
     long_polls: Counter,
 }
@@ -307,6 +309,7 @@ impl Telemetry {
             settings: settings.clone(),
             handle,
             requests: RequestInstruments::default(),
+            fanout: crate::fanout::FanoutMetrics::new(),
             active: metrics::gauge!("http_server_active_requests"),
             long_polls: metrics::counter!("tributary_runtime_long_polls_total"),
         }))
@@ -936,6 +939,32 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("traceparent", tp.parse().unwrap());
         h
+    }
+
+    #[test]
+    fn plain_directives_get_the_cheap_filter_and_span_directives_still_work() {
+        for plain in ["info", "warn,tributary=debug", "tributary::http=trace,off"] {
+            assert!(
+                matches!(LogFilter::parse(plain), Ok(LogFilter::Targets(_))),
+                "{plain}"
+            );
+        }
+        assert!(matches!(
+            LogFilter::parse("warn,tributary[http.request{request_id=abc}]=debug"),
+            Ok(LogFilter::Env(_))
+        ));
+        let err = LogFilter::parse("tributary=loud")
+            .err()
+            .expect("an invalid level");
+        assert!(err.to_string().contains("telemetry.log_level"), "{err}");
+    }
+
+    #[test]
+    fn http_methods_are_a_bounded_label() {
+        assert_eq!(method_label(&Method::GET), "GET");
+        assert_eq!(method_label(&Method::PATCH), "PATCH");
+        let custom = Method::from_bytes(b"PURGE").unwrap();
+        assert_eq!(method_label(&custom), "_OTHER");
     }
 
     #[test]

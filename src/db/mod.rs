@@ -61,6 +61,28 @@ struct PoolMetrics {
     idle: Gauge,
     in_use: Gauge,
     max: Gauge,
+    /// Statement latency, one histogram per [`Statement`], indexed by it.
+    queries: [Histogram; 3],
+}
+
+/// The statements the gateway runs: the bounded `statement` label of query metrics and spans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Statement {
+    RecentOrders = 0,
+    GetOrder = 1,
+    CreateOrder = 2,
+}
+
+impl Statement {
+    const ALL: [Statement; 3] = [Self::RecentOrders, Self::GetOrder, Self::CreateOrder];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::RecentOrders => "recent_orders",
+            Self::GetOrder => "get_order",
+            Self::CreateOrder => "create_order",
+        }
+    }
 }
 
 /// Why a connection could not be had.
@@ -119,6 +141,9 @@ impl Db {
             idle: metrics::gauge!("tributary_db_pool_connections", "state" => "idle"),
             in_use: metrics::gauge!("tributary_db_pool_connections", "state" => "in_use"),
             max: metrics::gauge!("tributary_db_pool_max_connections"),
+            queries: Statement::ALL.map(|s| {
+                metrics::histogram!("tributary_db_query_duration_seconds", "statement" => s.name())
+            }),
         });
         metrics.max.set(settings.max_connections as f64);
         let db = Self { pool, metrics };
@@ -240,9 +265,9 @@ impl Db {
     }
 
     /// Times a statement under its name.
-    pub fn query_timer(statement: &'static str) -> QueryTimer {
+    pub fn query_timer(&self, statement: Statement) -> QueryTimer {
         QueryTimer {
-            statement,
+            histogram: self.metrics.queries[statement as usize].clone(),
             started: Instant::now(),
         }
     }
@@ -289,15 +314,14 @@ impl Drop for WaiterGuard<'_> {
     }
 }
 
-/// Records a statement's latency under a bounded `statement` label when dropped.
+/// Records a statement's latency under its bounded `statement` label when dropped.
 pub struct QueryTimer {
-    statement: &'static str,
+    histogram: Histogram,
     started: Instant,
 }
 
 impl Drop for QueryTimer {
     fn drop(&mut self) {
-        metrics::histogram!("tributary_db_query_duration_seconds", "statement" => self.statement)
-            .record(self.started.elapsed().as_secs_f64());
+        self.histogram.record(self.started.elapsed().as_secs_f64());
     }
 }

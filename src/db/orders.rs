@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::{Acquire, FromRow, PgConnection};
 use tracing::Instrument;
 
-use super::{AcquireError, Db};
+use super::{AcquireError, Db, Statement};
 
 /// One line of the dashboard's `recent_orders`.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -58,7 +58,8 @@ pub enum CreateOutcome {
     Conflict,
 }
 
-fn span(statement: &'static str) -> tracing::Span {
+fn span(statement: Statement) -> tracing::Span {
+    let statement = statement.name();
     tracing::info_span!(
         "db.query",
         otel.name = statement,
@@ -73,7 +74,7 @@ impl Db {
     pub async fn recent_orders(&self, user_id: i64) -> Result<Vec<OrderSummary>, AcquireError> {
         async {
             let (mut conn, budget) = self.acquire_for_request().await?;
-            let _t = Db::query_timer("recent_orders");
+            let _t = self.query_timer(Statement::RecentOrders);
             // The hot path's one round trip: the budget-derived statement_timeout and the query
             // travel in a single simple-protocol message, and the SET applies to the SELECT after
             // it. Both values are integers formatted by Rust (user_id is a validated i64), so
@@ -92,7 +93,7 @@ impl Db {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(AcquireError::Database)
         }
-        .instrument(span("recent_orders"))
+        .instrument(span(Statement::RecentOrders))
         .await
     }
 
@@ -101,7 +102,7 @@ impl Db {
         async {
             let (mut conn, budget) = self.acquire_for_request().await?;
             super::set_statement_timeout(&mut conn, budget).await?;
-            let _t = Db::query_timer("get_order");
+            let _t = self.query_timer(Statement::GetOrder);
             let Some(head) = sqlx::query_as::<_, (i64, i64, String, i64, DateTime<Utc>)>(
                 "SELECT id, user_id, status, total_cents, created_at FROM orders WHERE id = $1",
             )
@@ -121,7 +122,7 @@ impl Db {
                 items,
             }))
         }
-        .instrument(span("get_order"))
+        .instrument(span(Statement::GetOrder))
         .await
     }
 
@@ -137,7 +138,7 @@ impl Db {
         async {
             let (mut conn, budget) = self.acquire_for_request().await?;
             super::set_statement_timeout(&mut conn, budget).await?;
-            let _t = Db::query_timer("create_order");
+            let _t = self.query_timer(Statement::CreateOrder);
             let mut tx = conn.begin().await?;
             let claimed: Option<i32> = sqlx::query_scalar(
                 "INSERT INTO idempotency_keys (key, request_hash) VALUES ($1, $2) \
@@ -215,7 +216,7 @@ impl Db {
             tx.commit().await?;
             Ok(CreateOutcome::Created { body })
         }
-        .instrument(span("create_order"))
+        .instrument(span(Statement::CreateOrder))
         .await
     }
 }

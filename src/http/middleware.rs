@@ -95,7 +95,7 @@ pub async fn request_context(
     let local_trace = (!otel).then(|| telemetry::local_trace_ids(incoming_trace.as_ref(), headers));
     let span = tracing::info_span!(
         telemetry::REQUEST_SPAN,
-        otel.name = %format_args!("{method} {route}"),
+        otel.name = tracing::field::Empty,
         otel.kind = "server",
         otel.status_code = tracing::field::Empty,
         http.request.method = %method,
@@ -107,6 +107,10 @@ pub async fn request_context(
         span_id = local_trace.as_ref().map(|t| t.span_id.as_str()),
         user_id = tracing::field::Empty,
     );
+    if otel {
+        // Only the exported span needs a name built per request.
+        span.record("otel.name", format_args!("{method} {route}"));
+    }
     let trace = match local_trace {
         Some(trace) => trace,
         None => match state.telemetry.attach_trace(&span, headers) {
