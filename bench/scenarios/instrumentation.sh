@@ -8,8 +8,8 @@ source "$(dirname "$0")/../lib/common.sh"
 bench_init instrumentation
 
 read -r -a conn_levels <<<"$(bench_pick "${BENCH_INSTRUMENTATION_CONNECTIONS:-150 500}" 8)"
-reps=${BENCH_REPS:-$(bench_pick 3 1)}
-duration=${BENCH_DURATION:-$(bench_pick 20 3)}
+reps=${BENCH_REPS:-$(bench_pick 5 1)}
+duration=${BENCH_DURATION:-$(bench_pick 15 3)}
 warmup=$(bench_pick 3 1)
 
 bench_db_prepare
