@@ -208,6 +208,8 @@ where
             .boxed(),
         LogFormat::Pretty => tracing_subscriber::fmt::layer()
             .compact()
+            // Colours for a terminal, plain text when stdout is a file or a pipe.
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
             .with_writer(writer)
             .boxed(),
     }
