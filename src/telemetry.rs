@@ -272,6 +272,17 @@ pub fn outgoing_trace_headers() -> (Option<String>, Option<String>) {
     (ctx.map(|c| c.traceparent()), tracestate)
 }
 
+/// Links `span` to the caller's trace and returns the ids the exported span got, when spans are
+/// exported; `None` otherwise (use [`local_trace_ids`]).
+pub fn attach_trace(span: &tracing::Span, headers: &HeaderMap) -> Option<TraceIds> {
+    #[cfg(feature = "otel")]
+    if otel_active() {
+        return otel::attach(span, headers);
+    }
+    let _ = (span, headers);
+    None
+}
+
 /// Trace ids for a request when spans are not exported: the caller's trace id (or a new one),
 /// a new span id for this hop, and the caller's `tracestate` passed on. They go into logs and
 /// into the `traceparent` of every downstream call, so traces still join up across services.
@@ -336,17 +347,6 @@ impl Telemetry {
         let handles = self.requests.handles(route, method, status);
         handles.duration.record(elapsed.as_secs_f64());
         handles.requests.increment(1);
-    }
-
-    /// Links `span` to the caller's trace and returns the ids the exported span got, when spans
-    /// are exported; `None` otherwise (use [`local_trace_ids`]).
-    pub fn attach_trace(&self, span: &tracing::Span, headers: &HeaderMap) -> Option<TraceIds> {
-        #[cfg(feature = "otel")]
-        if otel_active() {
-            return otel::attach(span, headers);
-        }
-        let _ = (span, headers);
-        None
     }
 
     fn long_poll(&self, took: Duration) {

@@ -25,7 +25,7 @@ use tokio::{
     time::Instant,
 };
 use tower::retry::budget::{Budget, TpsBudget};
-use tracing::Instrument;
+use tracing::{Instrument, Span};
 
 use crate::config::{
     CircuitBreakerSettings, DownstreamSettings, HttpClientSettings, RetrySettings,
@@ -246,7 +246,7 @@ impl Downstream {
             outcome = tracing::field::Empty,
         );
         let started = Instant::now();
-        let result = self.call(user_id).instrument(span.clone()).await;
+        let result = self.call(user_id, &span).instrument(span.clone()).await;
         let outcome = match &result {
             Ok(_) => Outcome::Ok,
             Err(e) => e.outcome(),
@@ -256,7 +256,7 @@ impl Downstream {
         result
     }
 
-    async fn call(&self, user_id: i64) -> Result<Box<RawValue>, CallError> {
+    async fn call(&self, user_id: i64, span: &Span) -> Result<Box<RawValue>, CallError> {
         let service = self.name;
         // A ticket rather than a bare admission: if this future is dropped mid-call, the
         // ticket still gives a half-open probe slot back (see `breaker::Ticket`).
@@ -274,8 +274,8 @@ impl Downstream {
         let mut attempt = 0;
         let result = loop {
             let result = match self.hedge_after {
-                Some(after) => self.hedged(&url, after).await,
-                None => self.attempt(&url).await,
+                Some(after) => self.hedged(&url, after, span).await,
+                None => self.attempt(&url, span).await,
             };
             match result {
                 Err(e) if e.retryable() && attempt < self.retry.max_retries => {
@@ -308,8 +308,13 @@ impl Downstream {
 
     /// Sends a second request if the first is slower than `after`; the first success wins and
     /// the loser is cancelled by being dropped.
-    async fn hedged(&self, url: &str, after: Duration) -> Result<Box<RawValue>, CallError> {
-        let first = self.attempt(url);
+    async fn hedged(
+        &self,
+        url: &str,
+        after: Duration,
+        span: &Span,
+    ) -> Result<Box<RawValue>, CallError> {
+        let first = self.attempt(url, span);
         tokio::pin!(first);
         tokio::select! {
             r = &mut first => return r,
@@ -319,7 +324,7 @@ impl Downstream {
             return first.await;
         }
         self.metrics.hedges.increment(1);
-        let second = self.attempt(url);
+        let second = self.attempt(url, span);
         tokio::pin!(second);
         tokio::select! {
             r = &mut first => match r {
@@ -333,8 +338,9 @@ impl Downstream {
         }
     }
 
-    /// One HTTP exchange bounded by min(call timeout, remaining budget).
-    async fn attempt(&self, url: &str) -> Result<Box<RawValue>, CallError> {
+    /// One HTTP exchange bounded by min(call timeout, remaining budget); the status goes on
+    /// `span`, the call's (a no-op when call spans are not exported).
+    async fn attempt(&self, url: &str, span: &Span) -> Result<Box<RawValue>, CallError> {
         let service = self.name;
         let budget = remaining();
         if budget < MIN_CALL_BUDGET {
@@ -363,12 +369,7 @@ impl Downstream {
                 .await
                 .map_err(|source| CallError::Transport { service, source })?;
             let status = response.status();
-            // The current span is this call's only when spans are exported; otherwise the call
-            // span is disabled and the current span is the request's, which must not get the
-            // downstream's status.
-            if crate::telemetry::otel_active() {
-                tracing::Span::current().record("http.response.status_code", status.as_u16());
-            }
+            span.record("http.response.status_code", status.as_u16());
             if !status.is_success() {
                 return Err(CallError::Status {
                     service,

@@ -113,7 +113,7 @@ pub async fn request_context(
     }
     let trace = match local_trace {
         Some(trace) => trace,
-        None => match state.telemetry.attach_trace(&span, headers) {
+        None => match telemetry::attach_trace(&span, headers) {
             Some(trace) => {
                 span.record("trace_id", trace.trace_id.as_str());
                 span.record("span_id", trace.span_id.as_str());
