@@ -136,6 +136,16 @@ async fn a_dashboard_request_exports_one_server_span_with_six_children_in_the_ca
         .iter()
         .find(|s| s.name == "GET /users/{user_id}")
         .unwrap();
+    // The downstream's status is on the call's span (and not on the server span's: that one
+    // carries the gateway's own status).
+    let status = |s: &Span| {
+        attr(s, "http.response.status_code").and_then(|v| match v.value {
+            Some(opentelemetry_proto::tonic::common::v1::any_value::Value::IntValue(i)) => Some(i),
+            _ => None,
+        })
+    };
+    assert_eq!(status(users), Some(200), "{:?}", users.attributes);
+    assert_eq!(status(&server), Some(200), "{:?}", server.attributes);
     let users_call = journal.iter().find(|s| s.service == "users").unwrap();
     assert_eq!(
         &users_call.traceparent.as_deref().unwrap()[36..52],

@@ -369,7 +369,8 @@ impl Downstream {
                 .await
                 .map_err(|source| CallError::Transport { service, source })?;
             let status = response.status();
-            span.record("http.response.status_code", status.as_u16());
+            // An i64: OpenTelemetry has no unsigned integers, and a u64 is exported as a string.
+            span.record("http.response.status_code", i64::from(status.as_u16()));
             if !status.is_success() {
                 return Err(CallError::Status {
                     service,

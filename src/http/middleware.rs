@@ -146,7 +146,8 @@ pub async fn request_context(
     let user_id = ctx.user_id();
     if otel {
         // The exported server span's attributes; the log line below carries the same values.
-        span.record("http.response.status_code", status.as_u16());
+        // An i64: OpenTelemetry has no unsigned integers, and a u64 is exported as a string.
+        span.record("http.response.status_code", i64::from(status.as_u16()));
         if status.is_server_error() {
             span.record("otel.status_code", "ERROR");
         }
