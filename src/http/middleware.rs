@@ -107,20 +107,20 @@ pub async fn request_context(
         span_id = local_trace.as_ref().map(|t| t.span_id.as_str()),
         user_id = tracing::field::Empty,
     );
-    if otel {
-        // Only the exported span needs a name built per request.
-        span.record("otel.name", format_args!("{method} {route}"));
-    }
     let trace = match local_trace {
         Some(trace) => trace,
-        None => match telemetry::attach_trace(&span, headers) {
-            Some(trace) => {
-                span.record("trace_id", trace.trace_id.as_str());
-                span.record("span_id", trace.span_id.as_str());
-                trace
+        None => {
+            // Only the exported span needs a name built per request.
+            span.record("otel.name", format_args!("{method} {route}"));
+            match telemetry::attach_trace(&span, headers) {
+                Some(trace) => {
+                    span.record("trace_id", trace.trace_id.as_str());
+                    span.record("span_id", trace.span_id.as_str());
+                    trace
+                }
+                None => telemetry::local_trace_ids(incoming_trace.as_ref(), headers),
             }
-            None => telemetry::local_trace_ids(incoming_trace.as_ref(), headers),
-        },
+        }
     };
 
     let ctx = Arc::new(RequestContext::new(
