@@ -56,7 +56,7 @@ static PROMETHEUS: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
 
 mod log_sink;
 
-pub use log_sink::{LogSink, LogSinkGuard};
+use log_sink::{LogSink, LogSinkGuard};
 
 /// The process's log sink, for the count of lines it dropped because its buffer was full.
 static LOG_SINK: OnceLock<LogSink> = OnceLock::new();
@@ -108,8 +108,8 @@ type TracerProvider = Option<opentelemetry_sdk::trace::SdkTracerProvider>;
 #[cfg(not(feature = "otel"))]
 type TracerProvider = ();
 
-/// Installs the subscriber with logs going to `writer` (`main` passes the non-blocking stdout
-/// writer, tests a buffer) and returns the trace pipeline to keep alive.
+/// Installs the subscriber with logs going to `writer` (`main` passes the log sink on stdout,
+/// tests a buffer) and returns the trace pipeline to keep alive.
 ///
 /// Logs see events and the request span, nothing else: the per-call and per-query spans exist
 /// for traces, and formatting their fields on every request for log lines that never show them
@@ -517,7 +517,7 @@ fn install_recorder() -> anyhow::Result<PrometheusHandle> {
 fn describe_all() {
     describe_counter!(
         "tributary_log_lines_dropped_total",
-        "Log lines dropped because the non-blocking log writer's queue was full."
+        "Log lines dropped because the log sink's buffer was full (stdout not keeping up)."
     );
     describe_histogram!(
         "http_server_request_duration_seconds",
