@@ -1,0 +1,39 @@
+# Common tasks. GNU make only runs the commands: each target is one line you can also type yourself.
+#
+#   make dev                       the local stack in the foreground (scripts/dev.sh; Ctrl-C stops it)
+#   make dev PORT=8081 SIM_PORT=19001 PROFILE=release
+#   make test                      the test suite against the local Postgres and Redis
+#   make lint                      rustfmt check and clippy, as CI runs them
+#   make fmt                       format the code
+#   make ci                        the whole CI (.ci/run): installs what is missing, about half an hour
+#   make bench SCENARIO=sweep      one benchmark scenario (release build; needs a quiet machine)
+
+# The test suite creates and drops its own databases on this server.
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/postgres
+SCENARIO ?=
+
+.PHONY: help dev test lint fmt ci bench
+
+help:
+	@sed -n '3,9s/^# \{0,1\}//p' Makefile
+
+dev:
+	@bash scripts/dev.sh
+
+test:
+	DATABASE_URL=$(TEST_DATABASE_URL) cargo test --locked --all-targets
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --all-targets --locked -- -D warnings -D clippy::await_holding_lock
+
+fmt:
+	cargo fmt --all
+
+ci:
+	@bash .ci/run
+
+bench:
+	@test -n "$(SCENARIO)" || { echo "make bench: name a scenario, e.g. make bench SCENARIO=seed-baseline"; bench/run list; exit 2; }
+	cargo build --release --locked --bins --examples
+	bench/run $(SCENARIO)
