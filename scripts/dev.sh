@@ -26,9 +26,12 @@ say() { printf 'dev: %s\n' "$*" >&2 || true; }
 die() { say "$*"; exit 1; }
 
 # ---- settings ----------------------------------------------------------------------------------
-[[ $PORT =~ ^[0-9]+$ ]] && ((PORT > 0 && PORT < 65536)) || die "PORT must be a port number (got '$PORT')"
-[[ $SIM_PORT =~ ^[0-9]+$ ]] && ((SIM_PORT > 0 && SIM_PORT + 4 < 65536)) ||
+if ! [[ $PORT =~ ^[0-9]+$ ]] || ((PORT == 0 || PORT > 65535)); then
+  die "PORT must be a port number (got '$PORT')"
+fi
+if ! [[ $SIM_PORT =~ ^[0-9]+$ ]] || ((SIM_PORT == 0 || SIM_PORT + 4 > 65535)); then
   die "SIM_PORT must be a port number with four more free after it (got '$SIM_PORT')"
+fi
 [[ $SEED_USERS =~ ^[0-9]+$ ]] || die "SEED_USERS must be a whole number (got '$SEED_USERS')"
 case $PROFILE in
   debug) build_flags=() ;;
@@ -56,11 +59,13 @@ for ((p = SIM_PORT; p < SIM_PORT + 5; p++)); do
   port_taken "$p" && die "port $p (a simulator's) is in use (see: ss -ltnp 'sport = :$p'); choose other ports: make dev SIM_PORT=$((SIM_PORT + 100))"
 done
 
+clusters=(/etc/postgresql/*)
+[[ -d ${clusters[0]} ]] && cluster=${clusters[0]##*/} || cluster=15
 if ! out=$(PGCONNECT_TIMEOUT=5 psql -X -Atq "$admin_url" -c 'SELECT 1' 2>&1); then
   first=$(printf '%s\n' "$out" | sed -E 's/^psql: error: //; s/^connection to server at [^:]*: //' | head -n1)
   case $out in
     *"Connection refused"* | *"timeout expired"* | *"could not translate host name"* | *"No such file or directory"*)
-      die "Postgres at $where is not reachable ($first): start it (e.g. pg_ctlcluster $(ls /etc/postgresql 2>/dev/null | head -n1 || echo 15) main start) or point DATABASE_URL at yours" ;;
+      die "Postgres at $where is not reachable ($first): start it (e.g. pg_ctlcluster $cluster main start) or point DATABASE_URL at yours" ;;
     *)
       die "Postgres at $where refused the connection ($first): check the user and password in DATABASE_URL" ;;
   esac
@@ -79,6 +84,7 @@ bin=target/$PROFILE
 # ---- the stack, stopped together ----------------------------------------------------------------------
 pids=()
 stopping=0
+# shellcheck disable=SC2329 # run by the EXIT trap
 stop() {
   ((stopping)) && return
   stopping=1
