@@ -5,9 +5,9 @@
 #
 # No Docker engine and no Kubernetes API server exist on CI machines, so every check here is a real
 # validator run offline against the files (deploy/README.md lists what each one proves). Installs what
-# it needs on a fresh machine, idempotently: Python validators into a virtualenv under ~/.cache, the
-# npm validators into deploy/validate/node_modules (npm ci from the committed lockfile), docker-compose
-# from Debian. Prints one line per check and `check-deploy: N passed, M failed`; exits 1 if any check
+# it needs on a fresh machine, idempotently, and says so: Python validators into the virtualenv under
+# the build directory (target/venv, by scripts/venv.sh), the npm validators into
+# deploy/validate/node_modules (npm ci from the committed lockfile), docker-compose from Debian. Prints one line per check and `check-deploy: N passed, M failed`; exits 1 if any check
 # failed. Negative checks ("... rejects ...") feed a deliberately broken copy to a validator and pass
 # only if the validator fails on it, so a validator that silently accepts everything is caught.
 #
@@ -27,7 +27,6 @@ WORK="$(mktemp -d /tmp/check-deploy.XXXXXX)"
 trap 'rm -rf "$WORK"' EXIT
 trap 'exit 143' TERM INT
 
-VENV="${CHECK_DEPLOY_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tributary/deploy-venv}"
 VALIDATE="$REPO/deploy/validate"
 BIN_DIR="${BIN_DIR:-$REPO/target/debug}"
 K8S_VERSION=1.33
@@ -68,25 +67,19 @@ apt_install() { # PACKAGE...: installs what is missing, running apt-get update a
   for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   ((${#missing[@]} == 0)) && return 0
   export DEBIAN_FRONTEND=noninteractive
+  echo "installing ${missing[*]} with apt-get"
   if ((APT_UPDATED == 0)); then timeout 300 apt-get update -qq >/dev/null; APT_UPDATED=1; fi
   timeout 600 apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
 # ---- setup (idempotent) ----------------------------------------------------------------------------
 command -v python3 >/dev/null || setup_failed "python3 missing"
-if [[ ! -x "$VENV/bin/python" ]]; then
-  timeout 120 python3 -m venv "$VENV" || setup_failed "cannot create virtualenv $VENV"
-fi
-stamp="$VENV/.requirements.sha256"
-want="$(sha256sum "$VALIDATE/requirements.txt" | cut -d' ' -f1)"
-if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
-  timeout 900 "$VENV/bin/pip" install -q --disable-pip-version-check -r "$VALIDATE/requirements.txt" \
-    || setup_failed "pip install -r deploy/validate/requirements.txt"
-  echo "$want" >"$stamp"
-fi
+VENV="$(timeout 1000 "$REPO/scripts/venv.sh" "$VALIDATE/requirements.txt")" \
+  || setup_failed "scripts/venv.sh deploy/validate/requirements.txt"
 export PATH="$VENV/bin:$PATH"
 export KUBECTL="$VENV/bin/kubectl"   # deploy/manifests.py renders with this one
 command -v node >/dev/null && command -v npm >/dev/null || apt_install nodejs npm || setup_failed "node/npm"
+[[ -d "$VALIDATE/node_modules" ]] || echo "installing the CRD validators with npm ci in deploy/validate"
 (cd "$VALIDATE" && timeout 600 npm ci --no-audit --no-fund --loglevel=error >/dev/null 2>"$WORK/npm.err") \
   || { cat "$WORK/npm.err"; setup_failed "npm ci in deploy/validate"; }
 command -v docker-compose >/dev/null || apt_install docker-compose || setup_failed "apt-get install docker-compose"

@@ -7,12 +7,13 @@
 #   BIN_DIR=target/release bash .ci/check-observability.sh
 #
 # Steps (one PASS/FAIL line each, summary at the end, exit 1 if anything failed):
-#   1. install what a fresh machine lacks: prometheus (promtool), wrk, PyYAML, npm ci in
-#      grafana/schema-check;
+#   1. install what a fresh machine lacks: prometheus (promtool) and wrk with apt-get, PyYAML into
+#      the virtualenv target/venv (scripts/venv.sh), npm ci in grafana/schema-check;
 #   2. promtool check config / check rules / test rules; the @grafana/schema type check of every
 #      dashboard; prometheus/check_queries.py static (panel hygiene, PromQL syntax of every
 #      dashboard query, compose mounts);
-#   3. a fresh database (tributary_obs_check on the local Postgres), `tributary migrate` and
+#   3. a fresh database (tributary_obs_check_<random> on the local Postgres, dropped on exit),
+#      `tributary migrate` and
 #      `tributary seed`, three downstream simulators (healthy, slow, flaky), the gateway with a tiny
 #      admission limit, a tiny pool, rate limiting with an unreachable Redis and a low long-poll
 #      threshold, and one downstream not listening at all, so that shedding, degradation, timeouts,
@@ -25,8 +26,10 @@
 #      (prometheus/check_queries.py live); every metric those queries name is in the live scrape;
 #   6. `promtool check metrics` on a live scrape of /metrics.
 #
-# Everything it starts is killed on exit (trap); the whole run is bounded by OBS_CHECK_TIMEOUT
-# seconds (default 600). Logs are kept in $OBS_WORK (printed at the end) when a check fails.
+# Everything it starts is killed on exit (trap) and its database dropped; the whole run is bounded
+# by OBS_CHECK_TIMEOUT seconds (default 600). Its work directory (logs, Prometheus' TSDB) is removed
+# on exit; when a check failed the last lines of each log are printed first, and OBS_KEEP_WORK=1
+# keeps the directory.
 set -euo pipefail
 
 # The whole run is time-bounded: re-run this script under timeout(1), which sends TERM (then KILL
@@ -45,7 +48,8 @@ PGHOST=${PGHOST:-127.0.0.1}
 PGPORT=${PGPORT:-5432}
 PGUSER=${PGUSER:-postgres}
 export PGHOST PGPORT PGUSER
-DB_NAME=tributary_obs_check
+DB_NAME=tributary_obs_check_$(od -An -N4 -tx4 /dev/urandom | tr -d ' ')
+DB_CREATED=0
 DATABASE_URL="postgres://$PGUSER@$PGHOST:$PGPORT/$DB_NAME"
 OBS_WORK=$(mktemp -d /tmp/tributary-obs-check.XXXXXX)
 
@@ -67,10 +71,22 @@ cleanup() {
     for _ in $(seq 50); do kill -0 "${PIDS[i]}" 2>/dev/null || break; sleep 0.1; done
     kill -KILL "${PIDS[i]}" 2>/dev/null || :
   done
-  if [[ $rc -eq 0 ]]; then
-    rm -rf "$OBS_WORK"
+  if ((DB_CREATED)); then
+    timeout 20 psql -q -d postgres -c "DROP DATABASE IF EXISTS $DB_NAME WITH (FORCE)" >/dev/null 2>&1 ||
+      echo "could not drop database $DB_NAME"
+  fi
+  if [[ -n ${OBS_KEEP_WORK:-} ]]; then
+    echo "work directory kept: $OBS_WORK"
   else
-    echo "logs kept in $OBS_WORK"
+    if [[ $rc -ne 0 ]]; then
+      local f
+      for f in "$OBS_WORK"/{gateway,sim-ok,sim-slow,sim-flaky,prometheus,wrk}.log; do
+        [[ -e $f ]] || continue
+        echo "---- last lines of $(basename "$f")"
+        tail -n 25 "$f" || :
+      done
+    fi
+    rm -rf "$OBS_WORK"
   fi
   exit "$rc"
 }
@@ -119,12 +135,15 @@ wait_http() {
 # ---------------------------------------------------------------------------
 log "1. tools"
 if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v wrk >/dev/null; then
+  echo "    installing prometheus (promtool) and wrk with apt-get"
   export DEBIAN_FRONTEND=noninteractive
   timeout 300 apt-get update -qq
   timeout 300 apt-get install -y -qq --no-install-recommends prometheus wrk >"$OBS_WORK/apt.log" 2>&1 ||
     { cat "$OBS_WORK/apt.log"; die "apt-get install prometheus wrk"; }
 fi
-python3 -c 'import yaml' 2>/dev/null || timeout 300 pip install -q pyyaml || die "pip install pyyaml"
+# PyYAML for check_queries.py, from the virtualenv under the build directory (not the system Python).
+VENV=$(scripts/venv.sh prometheus/requirements.txt) || die "scripts/venv.sh prometheus/requirements.txt"
+export PATH="$VENV/bin:$PATH"
 (cd grafana/schema-check && timeout 300 npm ci --no-audit --no-fund --loglevel=error >"$OBS_WORK/npm.log" 2>&1) ||
   { cat "$OBS_WORK/npm.log"; die "npm ci in grafana/schema-check"; }
 echo "    $(prometheus --version 2>&1 | head -n 1); $(wrk --version 2>&1 | head -n 1 | cut -c1-40)"
@@ -151,9 +170,8 @@ if [[ ! -x $BIN_DIR/tributary || ! -x $BIN_DIR/downstream-sim ]]; then
 fi
 
 pg_isready -q -t 10 || die "Postgres at $PGHOST:$PGPORT is not accepting connections"
-psql -q -v ON_ERROR_STOP=1 -d postgres \
-  -c "DROP DATABASE IF EXISTS $DB_NAME WITH (FORCE)" \
-  -c "CREATE DATABASE $DB_NAME" || die "create database $DB_NAME"
+DB_CREATED=1
+psql -q -v ON_ERROR_STOP=1 -d postgres -c "CREATE DATABASE $DB_NAME" || die "create database $DB_NAME"
 export DATABASE_URL
 check "tributary migrate" "$BIN_DIR/tributary" migrate
 check "tributary seed --users 200 --orders-per-user 5" "$BIN_DIR/tributary" seed --users 200 --orders-per-user 5
@@ -223,7 +241,7 @@ if wait_http "http://127.0.0.1:$GATEWAY/readyz" 60; then
   pass "gateway on :$GATEWAY is ready (/readyz 200)"
 else
   tail -n 30 "$OBS_WORK/gateway.log" | sed 's/^/      /'
-  die "gateway did not become ready (log: $OBS_WORK/gateway.log)"
+  die "gateway did not become ready"
 fi
 
 python3 prometheus/check_queries.py render-config --target "127.0.0.1:$GATEWAY" --self "127.0.0.1:$PROM" \
@@ -232,7 +250,7 @@ check "promtool check config on the rewritten copy" promtool check config "$OBS_
 prometheus --config.file="$OBS_WORK/prometheus.yml" --storage.tsdb.path="$OBS_WORK/tsdb" \
   --web.listen-address="127.0.0.1:$PROM" --log.level=warn >"$OBS_WORK/prometheus.log" 2>&1 &
 PIDS+=("$!")
-wait_http "http://127.0.0.1:$PROM/-/ready" 60 || die "Prometheus did not become ready (log: $OBS_WORK/prometheus.log)"
+wait_http "http://127.0.0.1:$PROM/-/ready" 60 || die "Prometheus did not become ready (its log is printed below)"
 pass "Prometheus on :$PROM is ready"
 SINCE=$(date +%s)
 
@@ -323,7 +341,7 @@ check "promtool check metrics on GET /metrics" promtool check metrics <"$OBS_WOR
 if kill -0 "$GATEWAY_PID" 2>/dev/null; then
   pass "gateway still running after the checks"
 else
-  fail "gateway exited during the checks (log: $OBS_WORK/gateway.log)"
+  fail "gateway exited during the checks (its log is printed below)"
 fi
 
 summary

@@ -5,7 +5,7 @@
 # same commands, the same config files and the environment read from docker-compose.yml itself, with
 # only the addresses rewritten (compose service names -> 127.0.0.1, container ports -> free ports):
 #   - the five simulator services (downstream-sim, their SIM_* environment)
-#   - migrate-seed against a fresh database tributary_compose_smoke on the local Postgres
+#   - migrate-seed against a fresh database tributary_compose_smoke_<random> on the local Postgres
 #     (127.0.0.1:5432, user postgres, trust auth), with --users 100 instead of 10000 for speed
 #   - the gateway (tributary serve, its TRIBUTARY_* environment, working directory = repo root so
 #     config/default.toml and migrations/ resolve as they do under the image's WORKDIR)
@@ -34,7 +34,7 @@ cd "$REPO"
 BIN_DIR="$(cd "${BIN_DIR:-target/debug}" 2>/dev/null && pwd)" || {
   echo "FAIL BIN_DIR ${BIN_DIR:-target/debug} does not exist (build first: cargo build)"; exit 1; }
 COMPOSE_FILE="${COMPOSE_FILE:-$REPO/docker-compose.yml}"
-DB_NAME=tributary_compose_smoke
+DB_NAME=tributary_compose_smoke_$(od -An -N4 -tx4 /dev/urandom | tr -d ' ')
 PG=(psql -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p 5432 -U postgres)
 WORK="$(mktemp -d /tmp/compose-smoke.XXXXXX)"
 PIDS=()
@@ -88,11 +88,15 @@ done
 command -v curl >/dev/null || { fail "curl missing"; exit 1; }
 command -v psql >/dev/null || { fail "psql missing"; exit 1; }
 if ! command -v prometheus >/dev/null; then
+  log "installing prometheus with apt-get"
   export DEBIAN_FRONTEND=noninteractive
   timeout 300 apt-get install -y -qq prometheus >/dev/null 2>&1 \
     || { timeout 300 apt-get update -qq && timeout 300 apt-get install -y -qq prometheus >/dev/null; }
 fi
-python3 -c 'import yaml' 2>/dev/null || timeout 300 pip install -q pyyaml
+# PyYAML from the virtualenv under the build directory (scripts/venv.sh), not the system Python.
+VENV="$(timeout 1000 "$REPO/scripts/venv.sh" "$REPO/deploy/validate/requirements.txt")" \
+  || { fail "scripts/venv.sh deploy/validate/requirements.txt"; exit 1; }
+export PATH="$VENV/bin:$PATH"
 timeout 10 pg_isready -h 127.0.0.1 -p 5432 -q || { fail "Postgres on 127.0.0.1:5432 is not accepting connections"; exit 1; }
 
 # ---- plan: environments from docker-compose.yml, addresses rewritten ----------------------------

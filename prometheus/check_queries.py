@@ -494,13 +494,12 @@ def cmd_static(_args) -> int:
     rules = {"groups": [{"name": "dashboard-exprs", "rules": [
         {"record": f"dashboard_expr_{i}", "expr": q.expr} for i, q in enumerate(queries)
     ]}]}
-    with tempfile.NamedTemporaryFile("w", suffix=".yml", delete=False) as f:
-        yaml.safe_dump(rules, f)
-        tmp = f.name
-    res = subprocess.run(["promtool", "check", "rules", tmp], capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="check-queries.") as tmp:
+        path = Path(tmp) / "dashboard-exprs.yml"
+        path.write_text(yaml.safe_dump(rules))
+        res = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
     report.check(res.returncode == 0, f"promtool parses all {len(queries)} dashboard expressions",
                  (res.stdout + res.stderr).strip().replace("\n", " | ") if res.returncode else "")
-    Path(tmp).unlink()
 
     # Every alert has a unit test that fires it and one that does not.
     tests = yaml.safe_load((ROOT / "prometheus" / "alerts_test.yml").read_text())

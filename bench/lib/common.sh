@@ -33,14 +33,15 @@ bench_pick() { if [[ "$BENCH_QUICK" == 1 ]]; then echo "$2"; else echo "$1"; fi;
 
 bench_ensure_tools() {
   if ! command -v wrk >/dev/null; then
-    bench_log "installing wrk"
+    bench_log "installing wrk (the load generator) with apt-get"
     apt-get install -y wrk >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y wrk >/dev/null; }
   fi
   command -v taskset >/dev/null || { bench_log "taskset (util-linux) is required"; exit 1; }
-  if ! python3 -c 'import matplotlib' 2>/dev/null; then
-    bench_log "installing matplotlib"
-    python3 -m pip install --quiet matplotlib
-  fi
+  # matplotlib (the plots) comes from the virtualenv under the build directory, never the system
+  # Python; its python3 comes first on PATH for the rest of the scenario.
+  local venv
+  venv="$("$REPO_DIR/scripts/venv.sh" "$BENCH_DIR/requirements.txt")"
+  export PATH="$venv/bin:$PATH"
   # High concurrency needs file descriptors: wrk, the gateway and the simulator inherit this.
   ulimit -n "${BENCH_NOFILE:-1048576}" 2>/dev/null || ulimit -n "$(ulimit -Hn)"
 }
@@ -52,6 +53,7 @@ bench_init() {
   RESULTS_ROOT="${BENCH_OUT:-$BENCH_DIR/results}"
   OUT_DIR="$RESULTS_ROOT/$SCENARIO"
   LOG_DIR="$(mktemp -d "${TMPDIR:-/tmp}/bench-$SCENARIO.XXXXXX")"
+  export BENCH_LOG_DIR="$LOG_DIR" # measure.py's scratch files go here too
   # BENCH_KEEP_RUNS=1 adds runs to the existing ones (e.g. one more variant) instead of starting over.
   if [[ "${BENCH_KEEP_RUNS:-0}" != 1 ]]; then
     rm -rf "$OUT_DIR/runs" "$OUT_DIR/failures.jsonl"
@@ -60,14 +62,38 @@ bench_init() {
   python3 "$BENCH_DIR/lib/machine.py" >"$OUT_DIR/machine.json"
   export BENCH_COMMAND="${BENCH_COMMAND:-bench/run $SCENARIO$([[ "$BENCH_QUICK" == 1 ]] && echo ' --quick')}"
   trap bench_cleanup EXIT
+  trap 'exit 143' TERM
+  trap 'exit 130' INT
   bench_log "scenario $SCENARIO (quick=$BENCH_QUICK), binaries from $BIN_DIR, logs in $LOG_DIR"
 }
 
+# On exit: stop every process, drop the database this run created, and remove the logs (after
+# printing their ends when the run failed; BENCH_KEEP_LOGS=1 keeps them).
 bench_cleanup() {
-  local pid
+  local rc=$? pid f
   for pid in "${BENCH_PIDS[@]}"; do
     bench_stop "$pid"
   done
+  if [[ "$BENCH_DB_CREATED" == 1 ]]; then
+    psql "$PG_URL_BASE/postgres" -qc "DROP DATABASE IF EXISTS \"$BENCH_DB\" WITH (FORCE)" >/dev/null 2>&1 ||
+      bench_log "could not drop database $BENCH_DB"
+  fi
+  if [[ -n "${LOG_DIR:-}" && -d "$LOG_DIR" ]]; then
+    if [[ "${BENCH_KEEP_LOGS:-0}" == 1 ]]; then
+      bench_log "logs kept in $LOG_DIR"
+    else
+      if ((rc != 0)); then
+        for f in "$LOG_DIR"/*.log; do
+          [[ -e "$f" ]] || continue
+          bench_log "---- last lines of $(basename "$f")"
+          tail -n 20 "$f" >&2 || true
+        done
+      fi
+      rm -rf "$LOG_DIR"
+    fi
+  fi
+  [[ -z "${BENCH_TMP_OUT:-}" ]] || rm -rf "$BENCH_TMP_OUT"
+  return "$rc"
 }
 
 # bench_start NAME CPUS cmd... : start a process in the background (pinned), log to LOG_DIR/NAME.log.
@@ -202,7 +228,10 @@ bench_server_run() {
 # ---------------------------------------------------------------------------------------------
 # Gateway scenarios: Postgres database, five simulators, the gateway.
 
-BENCH_DB="${BENCH_DB:-tributary_bench}"
+# Each run gets its own database, created, migrated and seeded by bench_db_prepare and dropped on
+# exit; BENCH_DB names an existing one to use (and keep) instead.
+BENCH_DB="${BENCH_DB:-tributary_bench_$(od -An -N4 -tx4 /dev/urandom | tr -d ' ')}"
+BENCH_DB_CREATED=0
 BENCH_USERS="${BENCH_USERS:-10000}"
 BENCH_ORDERS_PER_USER="${BENCH_ORDERS_PER_USER:-5}"
 DATABASE_URL_BENCH="$PG_URL_BASE/$BENCH_DB"
@@ -224,8 +253,9 @@ bench_db_prepare() {
   local exists
   exists="$(psql "$PG_URL_BASE/postgres" -tAc "SELECT 1 FROM pg_database WHERE datname = '$BENCH_DB'")"
   if [[ "$exists" != 1 ]]; then
-    bench_log "creating database $BENCH_DB"
+    bench_log "creating database $BENCH_DB (dropped when the run ends)"
     psql "$PG_URL_BASE/postgres" -qc "CREATE DATABASE \"$BENCH_DB\"" >/dev/null
+    BENCH_DB_CREATED=1
   fi
   local tributary
   tributary="$(bench_gateway_bin tributary)"

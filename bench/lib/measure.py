@@ -133,7 +133,9 @@ class Wrk:
 
     def __init__(self, url: str, connections: int, duration: float, threads: int, timeout: str,
                  cpus: str | None, env: dict[str, str]):
-        self.out = tempfile.NamedTemporaryFile(prefix="wrk-", suffix=".out", delete=False)
+        # In the run's log directory (removed when the run ends), so a run that dies leaves nothing.
+        self.out = tempfile.NamedTemporaryFile(prefix="wrk-", suffix=".out", delete=False,
+                                               dir=os.environ.get("BENCH_LOG_DIR") or None)
         self.command = [
             "wrk", f"-t{min(threads, connections)}", f"-c{connections}", f"-d{duration:g}s",
             "--latency", f"--timeout={timeout}", "-s", str(LUA), url,

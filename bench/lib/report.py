@@ -16,17 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 
 def ensure_matplotlib():
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib
     except ImportError:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "matplotlib"], check=True)
-    import matplotlib
+        sys.exit("report.py: matplotlib is missing; bench/run installs it into target/venv "
+                 "(or run: scripts/venv.sh bench/requirements.txt)")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
