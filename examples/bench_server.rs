@@ -1,4 +1,4 @@
-//! Benchmark server for the experiments that must not live in the gateway (issue 6).
+//! Benchmark server for the experiments that must not live in the gateway (see `bench/`).
 //!
 //! The field reports behind tributary measured Java services with platform threads, virtual
 //! threads and async code. Three of their experiments are about *where work runs* rather than
