@@ -5,7 +5,7 @@
 #   make test                      the test suite against the local Postgres and Redis
 #   make lint                      rustfmt check and clippy, as CI runs them
 #   make fmt                       format the code
-#   make ci                        the whole CI (.ci/run): installs what is missing, about half an hour
+#   make ci                        the whole CI (.ci/run): installs what is missing, runs every check
 #   make bench SCENARIO=sweep      one benchmark scenario (release build; needs a quiet machine)
 
 # The test suite creates and drops its own databases on this server.
