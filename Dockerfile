@@ -40,7 +40,7 @@ RUN cargo chef cook --release --locked --recipe-path recipe.json
 COPY . .
 # The revision is declared after `cook` so that a new commit does not invalidate the dependency layer.
 # The gateway reads it at compile time with option_env!("TRIBUTARY_GIT_REVISION") and reports it in
-# tributary_build_info{version,revision}.
+# `tributary --version` and tributary_build_info{version,revision}.
 ARG GIT_REVISION=unknown
 ENV TRIBUTARY_GIT_REVISION=${GIT_REVISION}
 RUN cargo build --release --locked --bin tributary --bin downstream-sim \

@@ -6,6 +6,7 @@
 //!
 //! The tree reads as the architecture:
 //! - [`config`]: typed settings, layered and validated once;
+//! - [`build_info`]: the version and git revision the binary was built from;
 //! - [`context`]: the per-request context in a task-local;
 //! - [`http`]: routes, handlers and the tower stack;
 //! - [`fanout`]: the concurrent dashboard fan-out with deadlines and partial results;
@@ -18,6 +19,7 @@
 //! - [`sim`]: the downstream simulator used by tests, compose and the benchmark lab.
 
 pub mod admission;
+pub mod build_info;
 pub mod capacity;
 pub mod config;
 pub mod context;

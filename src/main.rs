@@ -5,7 +5,7 @@ use std::{path::PathBuf, process::ExitCode, time::Duration};
 use clap::{Parser, Subcommand};
 use mimalloc::MiMalloc;
 use tributary::{
-    Application, Settings,
+    Application, Settings, build_info,
     capacity::{self, CapacityInput},
     config::Sources,
     db::Db,
@@ -20,7 +20,11 @@ use tributary::{
 static GLOBAL: MiMalloc = MiMalloc;
 
 #[derive(Parser)]
-#[command(name = "tributary", version, about = "A gateway-aggregation service")]
+#[command(
+    name = "tributary",
+    version = build_info::version_line(),
+    about = "A gateway-aggregation service"
+)]
 struct Cli {
     /// Configuration file (TOML); defaults to config/default.toml when it exists.
     #[arg(long, env = "TRIBUTARY_CONFIG", global = true)]

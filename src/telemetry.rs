@@ -40,6 +40,7 @@ use tracing_subscriber::{
 };
 
 use crate::{
+    build_info,
     config::{LogFormat, TelemetrySettings},
     context::TraceIds,
 };
@@ -508,9 +509,12 @@ fn install_recorder() -> anyhow::Result<PrometheusHandle> {
     std::thread::Builder::new()
         .name("process-metrics".into())
         .spawn(process::sample_forever)?;
-    let version = env!("CARGO_PKG_VERSION");
-    let revision = option_env!("TRIBUTARY_GIT_REVISION").unwrap_or("unknown");
-    metrics::gauge!("tributary_build_info", "version" => version, "revision" => revision).set(1.0);
+    metrics::gauge!(
+        "tributary_build_info",
+        "version" => build_info::VERSION,
+        "revision" => build_info::REVISION
+    )
+    .set(1.0);
     Ok(handle)
 }
 

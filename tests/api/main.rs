@@ -2,6 +2,7 @@
 //! ports. One binary, helpers in one file, a module per concern.
 
 mod chaos;
+mod cli;
 mod context;
 mod dashboard;
 mod health;
