@@ -88,13 +88,18 @@ export WORK PY KUBECTL K8S_VERSION
 
 # ---- Dockerfile and shell ------------------------------------------------------------------------------
 check "hadolint Dockerfile" hadolint Dockerfile
-check "shellcheck deploy/*.sh .ci/check-deploy.sh" shellcheck deploy/compose-native-smoke.sh .ci/check-deploy.sh
+check "hadolint deploy/standins/*.Containerfile (the CI stand-in images)" hadolint deploy/standins/*.Containerfile
+check "shellcheck deploy/*.sh deploy/standins/*.sh .ci/check-deploy.sh .ci/check-containers.sh" \
+  shellcheck deploy/compose-native-smoke.sh deploy/standins/postgres-entrypoint.sh .ci/check-deploy.sh \
+  .ci/check-containers.sh
 
 # ---- compose ---------------------------------------------------------------------------------------------
 check "compose: docker-compose.yml against the compose-spec schema (check-jsonschema)" \
   check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
 check "compose: docker-compose.yml accepted by docker-compose $(docker-compose version --short 2>/dev/null) config -q" \
   docker-compose -f docker-compose.yml --profile bench config -q
+check "compose: docker-compose.yml with the CI override docker-compose.ci.yml accepted by docker-compose config -q" \
+  docker-compose -f docker-compose.yml -f docker-compose.ci.yml config -q
 sed 's/condition: service_completed_successfully/condition: service_completed/' docker-compose.yml >"$WORK/compose-bad.yml"
 rejects "compose: the schema check rejects an unknown depends_on condition" \
   check-jsonschema --builtin-schema vendor.compose-spec "$WORK/compose-bad.yml"
