@@ -57,6 +57,10 @@ FIXED_PATHS=()
 for p in /run/containers /var/lib/containers /etc/containers/networks; do
   [[ -e "$p" ]] || FIXED_PATHS+=("$p")
 done
+# netavark also leaves its firewall chains (empty once the networks are gone) and turns on IPv4
+# forwarding: both are put back as they were when this run is the one that changed them.
+NETAVARK_BEFORE="$(iptables-save 2>/dev/null | grep -c NETAVARK || true)"
+IP_FORWARD_BEFORE="$(cat /proc/sys/net/ipv4/ip_forward 2>/dev/null || true)"
 
 log() { printf '%s\n' "$*"; }
 pass() { log "ok   $*"; PASSED=$((PASSED + 1)); }
@@ -98,6 +102,22 @@ cleanup() {
   grep -o " $WORK/[^ ]*" /proc/mounts 2>/dev/null | sort -r | xargs -r -n1 umount -l 2>/dev/null
   rm -rf "$WORK"
   ((${#FIXED_PATHS[@]})) && rm -rf "${FIXED_PATHS[@]}"
+  if [[ "$NETAVARK_BEFORE" == 0 ]]; then
+    local table rule chain
+    for table in nat filter; do
+      iptables -t "$table" -S 2>/dev/null | grep -E '^-A (PREROUTING|INPUT|FORWARD|OUTPUT|POSTROUTING) .*-j NETAVARK' \
+        | sed 's/^-A/-D/' | while read -r rule; do eval iptables -t "$table" "$rule"; done
+      for chain in $(iptables -t "$table" -S 2>/dev/null | awk '$1 == "-N" && $2 ~ /^NETAVARK/ {print $2}'); do
+        iptables -t "$table" -F "$chain"
+      done
+      for chain in $(iptables -t "$table" -S 2>/dev/null | awk '$1 == "-N" && $2 ~ /^NETAVARK/ {print $2}'); do
+        iptables -t "$table" -X "$chain"
+      done
+    done
+  fi
+  if [[ -n "$IP_FORWARD_BEFORE" && "$(cat /proc/sys/net/ipv4/ip_forward)" != "$IP_FORWARD_BEFORE" ]]; then
+    echo "$IP_FORWARD_BEFORE" >/proc/sys/net/ipv4/ip_forward
+  fi
 }
 trap cleanup EXIT
 trap 'exit 143' TERM INT
