@@ -2,10 +2,10 @@
 # `docker compose up` for real, with podman: build the image with the real Dockerfile, run the
 # stack in containers, and check the path a user takes, from outside the containers.
 #
-#   bash .ci/check-containers.sh       # from anywhere; root; 16-36 min cold on 2 cores (deploy/README.md)
+#   bash .ci/check-containers.sh       # from anywhere; root; 17-36 min cold on 2 cores (deploy/README.md)
 #
 # No image registry is reachable from CI machines, so the base images are stand-ins made here
-# from Debian packages (deploy/standins/, deploy/README.md "Containers in CI"):
+# from Debian packages (deploy/standins/; deploy/README.md, "The image and the stack in containers"):
 #   localhost/tributary-ci/debian:bookworm-slim     debootstrap --variant=minbase bookworm
 #   localhost/tributary-ci/rust:<version>-slim-bookworm   + gcc, the machine's Rust toolchain and CA bundle
 #   localhost/tributary-ci/postgres:15              Debian's PostgreSQL with the official entrypoint's interface
@@ -26,8 +26,8 @@
 #      (deploy/drain-check.py), and `down -v` leaves no container, network or volume.
 #
 # Everything runs in a podman store of its own under a temporary directory (images, containers,
-# volumes, network definitions), so nothing on the machine is touched and the whole of it is
-# removed at the end. CHECK_CONTAINERS_STORE=DIR keeps the store in DIR instead, and then the
+# volumes, network definitions), and the whole of it is removed at the end, with what podman keeps
+# at fixed paths (run state, netavark's firewall chains) when this run created it. CHECK_CONTAINERS_STORE=DIR keeps the store in DIR instead, and then the
 # stand-ins and the image's layers (the cargo-chef layer among them) are reused by the next run;
 # CI does not set it. Prints one line per check and `check-containers: N passed, M failed`.
 set -euo pipefail
