@@ -2,7 +2,7 @@
 # `docker compose up` for real, with podman: build the image with the real Dockerfile, run the
 # stack in containers, and check the path a user takes, from outside the containers.
 #
-#   bash .ci/check-containers.sh       # from anywhere; root; 17-36 min cold on 2 cores (deploy/README.md)
+#   bash .ci/check-containers.sh       # from anywhere; root; 8-36 min cold on 2 cores (deploy/README.md)
 #
 # No image registry is reachable from CI machines, so the base images are stand-ins made here
 # from Debian packages (deploy/standins/; deploy/README.md, "The image and the stack in containers"):
