@@ -31,7 +31,10 @@ use tokio::{
     time::Instant,
 };
 
-use crate::config::{AdaptiveSettings, AdmissionMode, Settings};
+use crate::{
+    config::{AdaptiveSettings, AdmissionMode, Settings},
+    telemetry::Family,
+};
 
 /// Route groups with their own limiter.
 pub const GROUPS: [&str; 2] = ["dashboard", "orders"];
@@ -47,7 +50,7 @@ impl Admission {
     /// by itself when the `Admission` is dropped.
     pub fn new(settings: &Settings) -> Arc<Self> {
         let shedding = Arc::new(AtomicBool::new(false));
-        let shedding_gauge = metrics::gauge!("tributary_admission_shedding");
+        let shedding_gauge = metrics::gauge!(SHEDDING.name);
         shedding_gauge.set(0.0);
         let limiters = GROUPS
             .iter()
@@ -178,11 +181,47 @@ pub struct Rejected {
     pub retry_after: Duration,
 }
 
+pub const PERMITS_IN_USE: Family = Family::gauge(
+    "tributary_admission_permits_in_use",
+    "Admission permits held by in-flight requests, per route group.",
+);
+pub const LIMIT: Family = Family::gauge(
+    "tributary_admission_limit",
+    "Current admission limit per route group (static, or the adaptive limit).",
+);
+pub const WAIT: Family = Family::seconds(
+    "tributary_admission_wait_seconds",
+    "Time requests waited for an admission permit.",
+);
+pub const REJECTIONS: Family = Family::counter(
+    "tributary_admission_rejections_total",
+    "Requests rejected with 503 by admission control, by group and reason.",
+);
+pub const SHEDDING: Family = Family::gauge(
+    "tributary_admission_shedding",
+    "1 while admission has been shedding heavily (readiness is false), else 0.",
+);
+
+/// The families this module records.
+pub const FAMILIES: &[Family] = &[PERMITS_IN_USE, LIMIT, WAIT, REJECTIONS, SHEDDING];
+
+/// One route group's instruments.
 struct Instruments {
     in_use: Gauge,
     limit: Gauge,
     wait: Histogram,
     rejected: Counter,
+}
+
+impl Instruments {
+    fn register(group: &'static str) -> Self {
+        Self {
+            in_use: metrics::gauge!(PERMITS_IN_USE.name, "group" => group),
+            limit: metrics::gauge!(LIMIT.name, "group" => group),
+            wait: metrics::histogram!(WAIT.name, "group" => group),
+            rejected: metrics::counter!(REJECTIONS.name, "group" => group, "reason" => "queue_timeout"),
+        }
+    }
 }
 
 /// The limiter of one route group.
@@ -219,12 +258,7 @@ impl Limiter {
                 Some(Mutex::new(Gradient2::new(adaptive))),
             ),
         };
-        let metrics = Instruments {
-            in_use: metrics::gauge!("tributary_admission_permits_in_use", "group" => group),
-            limit: metrics::gauge!("tributary_admission_limit", "group" => group),
-            wait: metrics::histogram!("tributary_admission_wait_seconds", "group" => group),
-            rejected: metrics::counter!("tributary_admission_rejections_total", "group" => group, "reason" => "queue_timeout"),
-        };
+        let metrics = Instruments::register(group);
         metrics.limit.set(limit as f64);
         metrics.in_use.set(0.0);
         Self {

@@ -13,6 +13,7 @@
 //! the log span, outgoing downstream headers, database statement timeouts.
 
 use std::{
+    fmt,
     future::Future,
     sync::{Arc, OnceLock},
     time::Duration,
@@ -76,13 +77,24 @@ impl RequestContext {
 
     /// The `traceparent` header value for an outgoing call made on behalf of this request.
     pub fn traceparent(&self) -> String {
-        format!(
-            "00-{}-{}-{}",
-            self.trace.trace_id,
-            self.trace.span_id,
-            if self.trace.sampled { "01" } else { "00" }
+        traceparent(
+            &self.trace.trace_id,
+            &self.trace.span_id,
+            self.trace.sampled,
         )
     }
+}
+
+/// A W3C `traceparent` value (version 00) from ids that format as lowercase hex.
+pub fn traceparent(
+    trace_id: impl fmt::Display,
+    span_id: impl fmt::Display,
+    sampled: bool,
+) -> String {
+    format!(
+        "00-{trace_id}-{span_id}-{}",
+        if sampled { "01" } else { "00" }
+    )
 }
 
 /// Runs `fut` with `ctx` as its request context.

@@ -23,7 +23,24 @@ use crate::{
     downstream::{CallError, Downstream},
     error::ApiError,
     http::AppState,
+    telemetry::Family,
 };
+
+pub const CRITICAL_PATH: Family = Family::counter(
+    "tributary_fanout_critical_path_total",
+    "Dashboard requests by the part that was slowest (the critical path).",
+);
+pub const GATEWAY_OVERHEAD: Family = Family::seconds(
+    "tributary_fanout_gateway_overhead_seconds",
+    "Request time minus the slowest part: the gateway's own overhead.",
+);
+pub const DEGRADED: Family = Family::counter(
+    "tributary_fanout_degraded_total",
+    "Optional dashboard parts returned as null, by part and reason.",
+);
+
+/// The families this module records.
+pub const FAMILIES: &[Family] = &[CRITICAL_PATH, GATEWAY_OVERHEAD, DEGRADED];
 
 /// The merged response.
 #[derive(Debug, Serialize)]
@@ -161,7 +178,7 @@ pub async fn dashboard(state: &AppState, user_id: i64) -> Result<(Dashboard, Tim
         .map_err(|reason| degrade(&mut degraded, 5, reason))
         .ok();
 
-    state.telemetry.fanout.record(&timings);
+    state.fanout_metrics.record(&timings);
     Ok((
         Dashboard {
             user_id,
@@ -179,11 +196,10 @@ pub async fn dashboard(state: &AppState, user_id: i64) -> Result<(Dashboard, Tim
 
 fn degrade(degraded: &mut Vec<&'static str>, part: usize, reason: &'static str) {
     degraded.push(PARTS[part].1);
-    metrics::counter!("tributary_fanout_degraded_total", "part" => PARTS[part].0, "reason" => reason)
-        .increment(1);
+    metrics::counter!(DEGRADED.name, "part" => PARTS[part].0, "reason" => reason).increment(1);
 }
 
-/// The fan-out's per-request instruments, registered once (see `Telemetry::new`).
+/// The fan-out's per-request instruments, registered once.
 pub struct FanoutMetrics {
     critical_path: [(&'static str, Counter); 6],
     overhead: Histogram,
@@ -195,10 +211,10 @@ impl FanoutMetrics {
             critical_path: PARTS.map(|(label, _)| {
                 (
                     label,
-                    metrics::counter!("tributary_fanout_critical_path_total", "part" => label),
+                    metrics::counter!(CRITICAL_PATH.name, "part" => label),
                 )
             }),
-            overhead: metrics::histogram!("tributary_fanout_gateway_overhead_seconds"),
+            overhead: metrics::histogram!(GATEWAY_OVERHEAD.name),
         }
     }
 

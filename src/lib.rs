@@ -15,6 +15,7 @@
 //! - [`db`]: the Postgres pool, migrations, queries and seed data;
 //! - [`capacity`]: Little's-law sizing;
 //! - [`telemetry`]: logs, traces, metrics and runtime health;
+//! - [`tls`]: the process-wide TLS crypto provider;
 //! - [`startup`]: building and serving the application;
 //! - [`sim`]: the downstream simulator used by tests, compose and the benchmark lab.
 
@@ -32,6 +33,7 @@ pub mod ratelimit;
 pub mod sim;
 pub mod startup;
 pub mod telemetry;
+pub mod tls;
 
 pub use config::Settings;
 pub use startup::Application;

@@ -80,6 +80,7 @@ use governor::{
     middleware::StateInformationMiddleware,
     state::keyed::DefaultKeyedStateStore,
 };
+use metrics::{Counter, Histogram};
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 use tower_governor::{
@@ -88,7 +89,10 @@ use tower_governor::{
     key_extractor::KeyExtractor,
 };
 
-use crate::config::{RateLimitKey, RateLimitSettings, Secret};
+use crate::{
+    config::{RateLimitKey, RateLimitSettings, Secret},
+    telemetry::Family,
+};
 
 /// How often quiet clients are dropped from the local limiter's map.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(10);
@@ -127,6 +131,65 @@ redis.call('SET', KEYS[1], string.format('%d', new_tat), 'PX', string.format('%d
 return {1, math.floor((now + tau + t - new_tat) / t), 0, new_tat - now}
 "#;
 
+pub const REJECTIONS: Family = Family::counter(
+    "tributary_ratelimit_rejections_total",
+    "Requests rejected with 429 by per-client rate limiting, by backend.",
+);
+pub const REDIS_FALLBACKS: Family = Family::counter(
+    "tributary_ratelimit_redis_fallbacks_total",
+    "Rate-limit decisions that fell back to the local limiter because Redis was slow or down.",
+);
+pub const REDIS_DURATION: Family = Family::seconds(
+    "tributary_ratelimit_redis_duration_seconds",
+    "Duration of Redis rate-limit decisions, by outcome (ok, error, timeout).",
+);
+pub const LOCAL_KEYS: Family = Family::gauge(
+    "tributary_ratelimit_local_keys",
+    "Clients tracked by this replica's local rate limiter after the last sweep.",
+);
+
+/// The families this module records.
+pub const FAMILIES: &[Family] = &[REJECTIONS, REDIS_FALLBACKS, REDIS_DURATION, LOCAL_KEYS];
+
+/// 429s by the backend that decided them; the `redis` series exists only with Redis.
+struct Rejections {
+    local: Counter,
+    redis: Option<Counter>,
+}
+
+impl Rejections {
+    fn register(with_redis: bool) -> Self {
+        Self {
+            local: metrics::counter!(REJECTIONS.name, "backend" => "local"),
+            redis: with_redis.then(|| metrics::counter!(REJECTIONS.name, "backend" => "redis")),
+        }
+    }
+}
+
+/// The Redis backend's instruments, one handle per label value.
+struct RedisInstruments {
+    /// By [`Fallback`], indexed by it.
+    fallbacks: [Counter; 3],
+    /// By outcome, indexed by [`Self::OK`], [`Self::ERROR`], [`Self::TIMEOUT`].
+    duration: [Histogram; 3],
+}
+
+impl RedisInstruments {
+    const OUTCOMES: [&'static str; 3] = ["ok", "error", "timeout"];
+    const OK: usize = 0;
+    const ERROR: usize = 1;
+    const TIMEOUT: usize = 2;
+
+    fn register() -> Self {
+        Self {
+            fallbacks: Fallback::ALL
+                .map(|f| metrics::counter!(REDIS_FALLBACKS.name, "reason" => f.label())),
+            duration: Self::OUTCOMES
+                .map(|o| metrics::histogram!(REDIS_DURATION.name, "outcome" => o)),
+        }
+    }
+}
+
 const RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
 const RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
 const RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
@@ -159,6 +222,7 @@ pub struct RateLimiter {
     period: Duration,
     local: LocalLimiter,
     redis: Option<Arc<SharedLimit>>,
+    rejections: Rejections,
 }
 
 impl RateLimiter {
@@ -189,6 +253,7 @@ impl RateLimiter {
             burst: burst.get(),
             period,
             local,
+            rejections: Rejections::register(redis.is_some()),
             redis,
         })
     }
@@ -196,19 +261,15 @@ impl RateLimiter {
     /// Decides one request. Never fails: Redis trouble falls back to the local limiter.
     pub async fn check(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Decision {
         let key = self.keys.key(headers, peer);
-        let (verdict, backend) = match &self.redis {
+        let (verdict, rejections) = match &self.redis {
             Some(redis) => match redis.decide(&key).await {
-                Ok(verdict) => (verdict, "redis"),
+                Ok(verdict) => (verdict, self.rejections.redis.as_ref()),
                 Err(reason) => {
-                    metrics::counter!(
-                        "tributary_ratelimit_redis_fallbacks_total",
-                        "reason" => reason.label()
-                    )
-                    .increment(1);
-                    (self.check_local(&key), "local")
+                    redis.metrics.fallbacks[reason as usize].increment(1);
+                    (self.check_local(&key), None)
                 }
             },
-            None => (self.check_local(&key), "local"),
+            None => (self.check_local(&key), None),
         };
         let mut h = HeaderMap::with_capacity(3);
         h.insert(RATELIMIT_LIMIT, HeaderValue::from(self.burst));
@@ -217,8 +278,7 @@ impl RateLimiter {
         if verdict.allowed {
             Decision::Allowed { headers: h }
         } else {
-            metrics::counter!("tributary_ratelimit_rejections_total", "backend" => backend)
-                .increment(1);
+            rejections.unwrap_or(&self.rejections.local).increment(1);
             Decision::Limited {
                 headers: h,
                 retry_after: verdict.retry_after,
@@ -271,6 +331,9 @@ fn ceil_secs(d: Duration) -> u64 {
 }
 
 fn spawn_sweeper(local: Weak<LocalState>) {
+    let keys_gauge = metrics::gauge!(LOCAL_KEYS.name);
+    // Nothing is tracked before the first request.
+    keys_gauge.set(0.0);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(SWEEP_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -289,7 +352,7 @@ fn spawn_sweeper(local: Weak<LocalState>) {
             })
             .await;
             if let Ok(keys) = swept {
-                metrics::gauge!("tributary_ratelimit_local_keys").set(keys as f64);
+                keys_gauge.set(keys as f64);
             }
         }
     });
@@ -481,6 +544,8 @@ enum Fallback {
 }
 
 impl Fallback {
+    const ALL: [Fallback; 3] = [Fallback::Timeout, Fallback::Error, Fallback::Unavailable];
+
     fn label(self) -> &'static str {
         match self {
             Fallback::Timeout => "timeout",
@@ -500,6 +565,7 @@ struct SharedLimit {
     period_us: u64,
     burst: u32,
     down: AtomicBool,
+    metrics: RedisInstruments,
 }
 
 impl SharedLimit {
@@ -533,6 +599,7 @@ impl SharedLimit {
             period_us: u64::try_from(period.as_micros()).unwrap_or(u64::MAX).max(1),
             burst,
             down: AtomicBool::new(false),
+            metrics: RedisInstruments::register(),
         });
         match this.probe().await {
             Ok(()) => tracing::info!(redis = %this.addr, "rate limits are shared through Redis"),
@@ -557,18 +624,20 @@ impl SharedLimit {
         let started = Instant::now();
         let answer = tokio::time::timeout(self.timeout, self.eval(key)).await;
         let (outcome, result) = match answer {
-            Ok(Ok(verdict)) => ("ok", Ok(verdict)),
-            Ok(Err(e)) => ("error", Err((Fallback::Error, format!("{e:#}")))),
+            Ok(Ok(verdict)) => (RedisInstruments::OK, Ok(verdict)),
+            Ok(Err(e)) => (
+                RedisInstruments::ERROR,
+                Err((Fallback::Error, format!("{e:#}"))),
+            ),
             Err(_) => (
-                "timeout",
+                RedisInstruments::TIMEOUT,
                 Err((
                     Fallback::Timeout,
                     format!("no answer within {:?}", self.timeout),
                 )),
             ),
         };
-        metrics::histogram!("tributary_ratelimit_redis_duration_seconds", "outcome" => outcome)
-            .record(started.elapsed().as_secs_f64());
+        self.metrics.duration[outcome].record(started.elapsed().as_secs_f64());
         result.map_err(|(reason, detail)| {
             self.mark_down(reason, &detail);
             reason

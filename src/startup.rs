@@ -39,8 +39,20 @@ use crate::{
     downstream::{Downstreams, build_client},
     http::{AppState, router},
     ratelimit::RateLimiter,
-    telemetry::{self, Telemetry},
+    telemetry::{self, Family, Telemetry},
 };
+
+/// Every metric family the gateway exports, each declared beside the code that records it.
+pub const METRIC_FAMILIES: &[&[Family]] = &[
+    telemetry::metrics::FAMILIES,
+    telemetry::runtime::FAMILIES,
+    telemetry::logs::FAMILIES,
+    crate::admission::FAMILIES,
+    crate::ratelimit::FAMILIES,
+    crate::downstream::FAMILIES,
+    crate::db::FAMILIES,
+    crate::fanout::FAMILIES,
+];
 
 pub struct Application {
     listener: TcpListener,
@@ -58,7 +70,7 @@ impl Application {
     /// diagnostics use this seam).
     pub async fn build_with(settings: Settings, extra: Router<AppState>) -> anyhow::Result<Self> {
         let settings = Arc::new(settings);
-        let telemetry = Telemetry::new(&settings.telemetry)?;
+        let telemetry = Telemetry::new(&settings.telemetry, METRIC_FAMILIES)?;
         for warning in capacity::check_pool_budget(&settings.database) {
             tracing::warn!("{warning}");
         }
@@ -85,6 +97,7 @@ impl Application {
             admission,
             rate_limiter,
             telemetry,
+            fanout_metrics: Arc::new(crate::fanout::FanoutMetrics::new()),
             draining: Arc::clone(&draining),
         };
         let listener = listen(settings.server.listen, settings.server.listen_backlog)
@@ -119,7 +132,8 @@ impl Application {
         let settings = Arc::clone(&state.settings);
         let server = &settings.server;
         let samplers = CancellationToken::new();
-        telemetry::spawn_runtime_samplers(Some(state.db.clone()), samplers.clone());
+        telemetry::runtime::spawn_samplers(samplers.clone());
+        state.db.spawn_pool_sampler(samplers.clone());
 
         let mut builder = auto::Builder::new(TokioExecutor::new());
         builder

@@ -29,8 +29,9 @@ use sqlx::{
     postgres::{PgConnectOptions, PgPoolOptions},
 };
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
-use crate::config::DatabaseSettings;
+use crate::{config::DatabaseSettings, telemetry::Family};
 
 /// The migrations in `migrations/`, embedded in the binary.
 pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
@@ -52,6 +53,49 @@ pub struct Db {
     metrics: Arc<PoolMetrics>,
 }
 
+pub const POOL_CONNECTIONS: Family = Family::gauge(
+    "tributary_db_pool_connections",
+    "Database pool connections by state (idle, in_use).",
+);
+pub const POOL_MAX_CONNECTIONS: Family = Family::gauge(
+    "tributary_db_pool_max_connections",
+    "Configured maximum size of the database pool.",
+);
+pub const POOL_WAITERS: Family = Family::gauge(
+    "tributary_db_pool_waiters",
+    "Tasks currently waiting to acquire a database connection.",
+);
+pub const POOL_ACQUIRE_WAIT: Family = Family::seconds(
+    "tributary_db_pool_acquire_wait_seconds",
+    "Time spent waiting for a pooled database connection (acquires that reused one).",
+);
+pub const POOL_CONNECT_DURATION: Family = Family::seconds(
+    "tributary_db_pool_connect_duration_seconds",
+    "Time of request acquires that had to open a new database connection (connections opened in the background for min_connections are not requests' latency and are not included).",
+);
+pub const POOL_ACQUIRE_TIMEOUTS: Family = Family::counter(
+    "tributary_db_pool_acquire_timeouts_total",
+    "Acquires that gave up waiting for a database connection.",
+);
+pub const QUERY_DURATION: Family = Family::seconds(
+    "tributary_db_query_duration_seconds",
+    "Database statement latency by statement name.",
+);
+
+/// The families this module records.
+pub const FAMILIES: &[Family] = &[
+    POOL_CONNECTIONS,
+    POOL_MAX_CONNECTIONS,
+    POOL_WAITERS,
+    POOL_ACQUIRE_WAIT,
+    POOL_CONNECT_DURATION,
+    POOL_ACQUIRE_TIMEOUTS,
+    QUERY_DURATION,
+];
+
+/// How often the pool's occupancy is sampled into its gauges.
+const POOL_SAMPLE_EVERY: Duration = Duration::from_secs(1);
+
 struct PoolMetrics {
     waiters: AtomicI64,
     waiters_gauge: Gauge,
@@ -71,6 +115,25 @@ pub enum Statement {
     RecentOrders = 0,
     GetOrder = 1,
     CreateOrder = 2,
+}
+
+impl PoolMetrics {
+    fn register(max_connections: u32) -> Self {
+        let this = Self {
+            waiters: AtomicI64::new(0),
+            waiters_gauge: metrics::gauge!(POOL_WAITERS.name),
+            acquire_wait: metrics::histogram!(POOL_ACQUIRE_WAIT.name),
+            connect: metrics::histogram!(POOL_CONNECT_DURATION.name),
+            acquire_timeouts: metrics::counter!(POOL_ACQUIRE_TIMEOUTS.name),
+            idle: metrics::gauge!(POOL_CONNECTIONS.name, "state" => "idle"),
+            in_use: metrics::gauge!(POOL_CONNECTIONS.name, "state" => "in_use"),
+            max: metrics::gauge!(POOL_MAX_CONNECTIONS.name),
+            queries: Statement::ALL
+                .map(|s| metrics::histogram!(QUERY_DURATION.name, "statement" => s.name())),
+        };
+        this.max.set(f64::from(max_connections));
+        this
+    }
 }
 
 impl Statement {
@@ -132,20 +195,7 @@ impl Db {
                 futures::future::ready(Ok(())).boxed()
             })
             .connect_lazy_with(options);
-        let metrics = Arc::new(PoolMetrics {
-            waiters: AtomicI64::new(0),
-            waiters_gauge: metrics::gauge!("tributary_db_pool_waiters"),
-            acquire_wait: metrics::histogram!("tributary_db_pool_acquire_wait_seconds"),
-            connect: metrics::histogram!("tributary_db_pool_connect_duration_seconds"),
-            acquire_timeouts: metrics::counter!("tributary_db_pool_acquire_timeouts_total"),
-            idle: metrics::gauge!("tributary_db_pool_connections", "state" => "idle"),
-            in_use: metrics::gauge!("tributary_db_pool_connections", "state" => "in_use"),
-            max: metrics::gauge!("tributary_db_pool_max_connections"),
-            queries: Statement::ALL.map(|s| {
-                metrics::histogram!("tributary_db_query_duration_seconds", "statement" => s.name())
-            }),
-        });
-        metrics.max.set(settings.max_connections as f64);
+        let metrics = Arc::new(PoolMetrics::register(settings.max_connections));
         let db = Self { pool, metrics };
         db.record_pool_gauges();
         Ok(db)
@@ -185,8 +235,23 @@ impl Db {
         }
     }
 
-    /// Samples pool occupancy into the gauges (called by the telemetry sampler and at start).
-    pub fn record_pool_gauges(&self) {
+    /// Samples the pool's occupancy into its gauges once a second until `shutdown` is
+    /// cancelled (sqlx reports no events to count, so occupancy is polled).
+    pub fn spawn_pool_sampler(&self, shutdown: CancellationToken) {
+        let db = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(POOL_SAMPLE_EVERY);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tick.tick() => db.record_pool_gauges(),
+                }
+            }
+        });
+    }
+
+    /// Samples pool occupancy into the gauges.
+    fn record_pool_gauges(&self) {
         let size = self.pool.size() as f64;
         let idle = self.pool.num_idle() as f64;
         self.metrics.idle.set(idle);

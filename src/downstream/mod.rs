@@ -27,8 +27,9 @@ use tokio::{
 use tower::retry::budget::{Budget, TpsBudget};
 use tracing::{Instrument, Span};
 
-use crate::config::{
-    CircuitBreakerSettings, DownstreamSettings, HttpClientSettings, RetrySettings,
+use crate::{
+    config::{CircuitBreakerSettings, DownstreamSettings, HttpClientSettings, RetrySettings},
+    telemetry::Family,
 };
 use breaker::Breaker;
 
@@ -123,16 +124,10 @@ impl CallError {
     }
 }
 
-/// reqwest's rustls backend (ours and the OTLP exporter's) uses the process-wide crypto
-/// provider; a second install is harmless (tests build many clients), so its error is ignored.
-pub fn install_tls_provider() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-}
-
 /// The shared HTTP client: one connection pool for all downstreams, keep-alive on, sized for
 /// the admission limit so that steady load reuses connections instead of opening new ones.
 pub fn build_client(settings: &HttpClientSettings) -> anyhow::Result<reqwest::Client> {
-    install_tls_provider();
+    crate::tls::install_provider();
     Ok(reqwest::Client::builder()
         .pool_max_idle_per_host(settings.pool_max_idle_per_host)
         .pool_idle_timeout(settings.pool_idle_timeout)
@@ -143,6 +138,42 @@ pub fn build_client(settings: &HttpClientSettings) -> anyhow::Result<reqwest::Cl
         .build()?)
 }
 
+pub const REQUEST_DURATION: Family = Family::seconds(
+    "tributary_downstream_request_duration_seconds",
+    "Duration of downstream calls, by service and outcome.",
+);
+pub const REQUESTS: Family = Family::counter(
+    "tributary_downstream_requests_total",
+    "Downstream calls by service and outcome (ok, error, timeout, shed, circuit_open, budget_exhausted).",
+);
+pub const IN_FLIGHT: Family = Family::gauge(
+    "tributary_downstream_in_flight",
+    "Downstream calls in flight per service (bulkhead occupancy).",
+);
+pub const CIRCUIT_STATE: Family = Family::gauge(
+    "tributary_downstream_circuit_state",
+    "Circuit breaker state per service: 0 closed, 1 half-open, 2 open.",
+);
+pub const RETRIES: Family = Family::counter(
+    "tributary_downstream_retries_total",
+    "Retried downstream calls per service.",
+);
+pub const HEDGES: Family = Family::counter(
+    "tributary_downstream_hedges_total",
+    "Hedged second requests sent per service.",
+);
+
+/// The families this module records.
+pub const FAMILIES: &[Family] = &[
+    REQUEST_DURATION,
+    REQUESTS,
+    IN_FLIGHT,
+    CIRCUIT_STATE,
+    RETRIES,
+    HEDGES,
+];
+
+/// One service's instruments.
 struct Instruments {
     in_flight: Gauge,
     retries: Counter,
@@ -152,16 +183,16 @@ struct Instruments {
 }
 
 impl Instruments {
-    fn new(service: &'static str) -> Self {
+    fn register(service: &'static str) -> Self {
         Self {
-            in_flight: metrics::gauge!("tributary_downstream_in_flight", "downstream" => service),
-            retries: metrics::counter!("tributary_downstream_retries_total", "downstream" => service),
-            hedges: metrics::counter!("tributary_downstream_hedges_total", "downstream" => service),
+            in_flight: metrics::gauge!(IN_FLIGHT.name, "downstream" => service),
+            retries: metrics::counter!(RETRIES.name, "downstream" => service),
+            hedges: metrics::counter!(HEDGES.name, "downstream" => service),
             requests: Outcome::ALL.map(|o| {
-                metrics::counter!("tributary_downstream_requests_total", "downstream" => service, "outcome" => o.as_str())
+                metrics::counter!(REQUESTS.name, "downstream" => service, "outcome" => o.as_str())
             }),
             duration: Outcome::ALL.map(|o| {
-                metrics::histogram!("tributary_downstream_request_duration_seconds", "downstream" => service, "outcome" => o.as_str())
+                metrics::histogram!(REQUEST_DURATION.name, "downstream" => service, "outcome" => o.as_str())
             }),
         }
     }
@@ -206,7 +237,7 @@ impl Downstream {
             breaker: Breaker::new(
                 name,
                 breaker.clone(),
-                metrics::gauge!("tributary_downstream_circuit_state", "downstream" => name),
+                metrics::gauge!(CIRCUIT_STATE.name, "downstream" => name),
             ),
             retry: retry.clone(),
             retry_budget: TpsBudget::new(
@@ -215,7 +246,7 @@ impl Downstream {
                 retry.budget_ratio,
             ),
             client,
-            metrics: Instruments::new(name),
+            metrics: Instruments::register(name),
         }
     }
 

@@ -17,7 +17,7 @@ use tower::ServiceBuilder;
 
 use crate::{
     admission::Admission, config::Settings, db::Db, downstream::Downstreams, error::ApiError,
-    ratelimit::RateLimiter, telemetry::Telemetry,
+    fanout::FanoutMetrics, ratelimit::RateLimiter, telemetry::Telemetry,
 };
 
 /// Everything a handler may need, built once at start-up. Cheap to clone.
@@ -29,6 +29,8 @@ pub struct AppState {
     pub admission: Option<Arc<Admission>>,
     pub rate_limiter: Option<Arc<RateLimiter>>,
     pub telemetry: Arc<Telemetry>,
+    /// The dashboard fan-out's critical-path counters and overhead histogram.
+    pub fanout_metrics: Arc<FanoutMetrics>,
     /// Set once shutdown has begun: readiness turns false so load balancers stop routing here.
     pub draining: Arc<AtomicBool>,
 }

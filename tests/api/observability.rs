@@ -1,11 +1,14 @@
 //! Metrics exposition and the long-poll detector (the async analogue of pinned carriers).
 
-use std::time::Duration;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    time::Duration,
+};
 
 use axum::{Router, routing::get};
-use tributary::sim::Behaviour;
+use tributary::{config::Secret, sim::Behaviour, startup::METRIC_FAMILIES};
 
-use crate::helpers::{log_lines, metric_value, spawn_app, spawn_app_full};
+use crate::helpers::{log_lines, metric_value, spawn_app, spawn_app_full, spawn_app_with};
 
 /// A handler that does what no async handler may: block its worker thread.
 async fn blocks_the_worker() -> &'static str {
@@ -76,52 +79,86 @@ async fn a_well_behaved_request_is_not_reported() {
     }));
 }
 
+/// The families in an exposition: name and type from every `# TYPE` line, and the names that
+/// have a `# HELP` line.
+fn families_in(text: &str) -> (BTreeMap<String, String>, BTreeSet<String>) {
+    let mut typed = BTreeMap::new();
+    let mut described = BTreeSet::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        match (words.next(), words.next(), words.next(), words.next()) {
+            (Some("#"), Some("TYPE"), Some(name), Some(kind)) => {
+                typed.insert(name.to_owned(), kind.to_owned());
+            }
+            (Some("#"), Some("HELP"), Some(name), _) => {
+                described.insert(name.to_owned());
+            }
+            _ => {}
+        }
+    }
+    (typed, described)
+}
+
 #[tokio::test]
-async fn metrics_expose_every_family_with_bounded_labels() {
-    let app = spawn_app().await;
+async fn the_exposition_holds_exactly_the_catalogued_families_each_described() {
+    // Rate limiting on, with a Redis nobody listens on, so its families exist as well.
+    let no_redis = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let app = spawn_app_with(|s| {
+        s.rate_limit.enabled = true;
+        s.rate_limit.redis_url = Some(Secret::new(format!("redis://{no_redis}")));
+    })
+    .await;
     app.seed(2, 3).await;
     for _ in 0..3 {
         assert_eq!(app.get("/api/v1/dashboard/1").await.status(), 200);
     }
     assert_eq!(app.get("/api/v1/dashboard/2").await.status(), 200);
-    // The sampler runs once a second.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    let text = app.metrics().await;
-    for family in [
-        "http_server_request_duration_seconds_bucket",
-        "tributary_http_requests_total",
-        "http_server_active_requests",
-        "tributary_admission_permits_in_use",
-        "tributary_admission_limit",
-        "tributary_admission_wait_seconds_bucket",
-        "tributary_admission_shedding",
-        "tributary_downstream_request_duration_seconds_bucket",
-        "tributary_downstream_requests_total",
-        "tributary_downstream_in_flight",
-        "tributary_downstream_circuit_state",
-        "tributary_db_pool_connections",
-        "tributary_db_pool_max_connections",
-        "tributary_db_pool_waiters",
-        "tributary_db_query_duration_seconds_bucket",
-        "tributary_fanout_critical_path_total",
-        "tributary_fanout_gateway_overhead_seconds_bucket",
-        "tributary_runtime_workers",
-        "tributary_runtime_worker_busy_ratio",
-        "tributary_runtime_polls_total",
-        "tributary_runtime_alive_tasks",
-        "tributary_runtime_blocking_threads",
-        "tributary_runtime_blocking_queue_depth",
-        "tributary_runtime_global_queue_depth",
-        "tributary_runtime_scheduling_lag_seconds_bucket",
-        "process_resident_memory_bytes",
-        "process_open_fds",
-        "tributary_build_info",
-    ] {
-        assert!(
-            text.lines().any(|l| l.starts_with(family)),
-            "missing {family}"
-        );
-    }
+    app.set_service("carts", |b| b.error_rate = 1.0);
+    assert_eq!(app.get("/api/v1/dashboard/2").await.status(), 200);
+    let catalogue: BTreeMap<String, String> = METRIC_FAMILIES
+        .iter()
+        .copied()
+        .flatten()
+        .map(|f| (f.name.to_owned(), f.kind.as_str().to_owned()))
+        .collect();
+
+    // The samplers run once a second: wait for their first round.
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = app.metrics().await;
+        if families_in(&text).0 == catalogue || tokio::time::Instant::now() > give_up {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+
+    let (typed, described) = families_in(&text);
+    let settled = typed == catalogue;
+    let missing: Vec<_> = catalogue
+        .keys()
+        .filter(|n| !typed.contains_key(*n))
+        .collect();
+    let unknown: Vec<_> = typed
+        .keys()
+        .filter(|n| !catalogue.contains_key(*n))
+        .collect();
+    assert!(
+        settled,
+        "catalogued but not exported: {missing:?}; exported but not catalogued: {unknown:?}; \
+         exported as another type: {:?}",
+        typed
+            .iter()
+            .filter(|(n, k)| catalogue.get(*n).is_some_and(|c| c != *k))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        described,
+        catalogue.keys().cloned().collect::<BTreeSet<_>>(),
+        "every exported family has its help text"
+    );
     // Route templates, never raw paths or user ids.
     assert!(text.contains(r#"http_route="/api/v1/dashboard/{user_id}""#));
     assert!(

@@ -1,0 +1,134 @@
+//! Logs, traces, metrics and the async runtime's own health, one module per signal:
+//! - [`logs`]: the `tracing` subscriber, its filter and line format, over the [`log_sink`]
+//!   that keeps workers from ever waiting on stdout;
+//! - [`trace`]: W3C trace context in and out, and the OpenTelemetry exporter (behind the
+//!   `otel` feature);
+//! - [`metrics`]: the Prometheus recorder, the [`metrics::Family`] type every module declares
+//!   its metrics with, and the per-request RED instruments;
+//! - [`runtime`]: runtime and process samplers, and the long-poll detector.
+//!
+//! This module is a leaf: it knows the configuration and the request context, nothing that
+//! records. The modules that record metrics declare their families themselves, and the
+//! application hands the catalogue to [`Telemetry::new`].
+
+mod log_sink;
+pub mod logs;
+pub mod metrics;
+pub mod runtime;
+pub mod trace;
+
+use std::{sync::Arc, time::Duration};
+
+use ::metrics::{Counter, Gauge};
+use axum::http::Method;
+use metrics_exporter_prometheus::PrometheusHandle;
+
+pub use logs::install_subscriber;
+pub use metrics::{ActiveGuard, Family};
+pub use runtime::PollTimer;
+pub use trace::{
+    TraceParent, attach_trace, local_trace_ids, otel_active, outgoing_trace_headers,
+    parse_traceparent,
+};
+
+use crate::config::TelemetrySettings;
+use log_sink::{LogSink, LogSinkGuard};
+
+/// The name of the one span per request; the log layer sees no other span.
+pub const REQUEST_SPAN: &str = "http.request";
+
+/// At most this many bytes of log lines wait in memory for the writer thread (about 10,000
+/// request lines); beyond it lines are dropped and counted.
+const LOG_BUFFER_BYTES: usize = 4 << 20;
+
+/// Keeps the trace pipeline alive; flushes pending spans when dropped.
+pub struct TracingGuard {
+    /// Writes out buffered log lines when dropped.
+    _logs: LogSinkGuard,
+    #[cfg(feature = "otel")]
+    provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+}
+
+impl Drop for TracingGuard {
+    fn drop(&mut self) {
+        #[cfg(feature = "otel")]
+        if let Some(provider) = self.provider.take() {
+            let _ = provider.shutdown();
+        }
+    }
+}
+
+/// Installs the global `tracing` subscriber: JSON or human-readable logs on stdout, and the
+/// OpenTelemetry layer when an OTLP endpoint is configured. Call once, early in `main`.
+pub fn init_tracing(settings: &TelemetrySettings) -> anyhow::Result<TracingGuard> {
+    // Log lines never wait for stdout: see `log_sink`.
+    let (writer, logs_guard) = LogSink::spawn(std::io::stdout(), LOG_BUFFER_BYTES)?;
+    logs::set_sink(writer.clone());
+    #[cfg(feature = "otel")]
+    let provider = install_subscriber(settings, writer)?;
+    #[cfg(not(feature = "otel"))]
+    install_subscriber(settings, writer)?;
+    Ok(TracingGuard {
+        _logs: logs_guard,
+        #[cfg(feature = "otel")]
+        provider,
+    })
+}
+
+/// Instruments shared by every request, created once.
+pub struct Telemetry {
+    settings: TelemetrySettings,
+    handle: Option<PrometheusHandle>,
+    requests: metrics::RequestInstruments,
+    active: Gauge,
+    long_polls: Counter,
+}
+
+impl Telemetry {
+    /// Installs the Prometheus recorder (once per process) and describes every family of
+    /// `catalogue`, the application's metrics.
+    pub fn new(settings: &TelemetrySettings, catalogue: &[&[Family]]) -> anyhow::Result<Arc<Self>> {
+        let handle = if settings.metrics_enabled {
+            Some(metrics::install_recorder(catalogue)?)
+        } else {
+            None
+        };
+        Ok(Arc::new(Self {
+            settings: settings.clone(),
+            handle,
+            requests: metrics::RequestInstruments::default(),
+            active: ::metrics::gauge!(metrics::ACTIVE_REQUESTS.name),
+            long_polls: runtime::long_polls(),
+        }))
+    }
+
+    /// The Prometheus exposition; `None` when metrics are disabled.
+    pub fn render_metrics(&self) -> Option<String> {
+        self.handle.as_ref().map(PrometheusHandle::render)
+    }
+
+    /// Counts a request as active until the guard is dropped.
+    pub fn active_request(&self) -> ActiveGuard<'_> {
+        ActiveGuard::new(&self.active)
+    }
+
+    /// RED metrics by route template.
+    pub fn record_request(&self, route: &str, method: &Method, status: u16, elapsed: Duration) {
+        if self.handle.is_none() {
+            return;
+        }
+        let method = metrics::method_label(method);
+        let handles = self.requests.handles(route, method, status);
+        handles.duration.record(elapsed.as_secs_f64());
+        handles.requests.increment(1);
+    }
+
+    fn long_poll(&self, took: Duration) {
+        self.long_polls.increment(1);
+        tracing::warn!(
+            poll_ms = took.as_secs_f64() * 1000.0,
+            threshold_ms = self.settings.long_poll_threshold.as_secs_f64() * 1000.0,
+            "long poll: a task held a worker thread; look for blocking calls or CPU work on the async path"
+        );
+    }
+}

@@ -1,0 +1,287 @@
+//! The async runtime's own health, and the process's.
+//!
+//! - per-worker busy ratio, poll counts, alive tasks, queue depths and the blocking pool,
+//!   sampled from the runtime's own metrics once a second;
+//! - scheduling lag, measured by a heartbeat task that asks to wake every 100 ms and records
+//!   how late it actually ran (a saturated or blocked runtime wakes it late);
+//! - long polls: [`PollTimer`] times every poll of a request's future, and a poll that holds a
+//!   worker longer than `telemetry.long_poll_threshold` (a blocking call, a lock held around
+//!   slow work, a CPU-heavy loop) is counted and logged *inside the request's span*, so the
+//!   offending route and request can be found;
+//! - process CPU, memory and file descriptors, read from `/proc` on a plain thread.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use metrics::{Counter, Gauge, Unit};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{Telemetry, metrics::Family};
+
+pub const WORKERS: Family = Family::gauge("tributary_runtime_workers", "Tokio worker threads.");
+pub const WORKER_BUSY_RATIO: Family = Family::gauge(
+    "tributary_runtime_worker_busy_ratio",
+    "Share of the last sampling interval each worker spent busy.",
+);
+pub const POLLS: Family = Family::counter(
+    "tributary_runtime_polls_total",
+    "Task polls across all workers.",
+);
+pub const LONG_POLLS: Family = Family::counter(
+    "tributary_runtime_long_polls_total",
+    "Polls of request futures that held a worker longer than telemetry.long_poll_threshold.",
+);
+pub const BLOCKING_THREADS: Family = Family::gauge(
+    "tributary_runtime_blocking_threads",
+    "Threads in the blocking pool.",
+);
+pub const BLOCKING_QUEUE_DEPTH: Family = Family::gauge(
+    "tributary_runtime_blocking_queue_depth",
+    "Tasks queued for the blocking pool.",
+);
+pub const ALIVE_TASKS: Family = Family::gauge(
+    "tributary_runtime_alive_tasks",
+    "Tasks alive in the runtime.",
+);
+pub const GLOBAL_QUEUE_DEPTH: Family = Family::gauge(
+    "tributary_runtime_global_queue_depth",
+    "Tasks waiting in the runtime's global (injection) queue.",
+);
+pub const SCHEDULING_LAG: Family = Family::seconds(
+    "tributary_runtime_scheduling_lag_seconds",
+    "How late a 100 ms heartbeat timer task actually ran.",
+);
+pub const RESIDENT_MEMORY: Family = Family::gauge(
+    "process_resident_memory_bytes",
+    "Resident memory size in bytes.",
+)
+.in_unit(Unit::Bytes);
+pub const CPU_SECONDS: Family = Family::counter(
+    "process_cpu_seconds_total",
+    "Total user and system CPU time spent in seconds.",
+)
+.in_unit(Unit::Seconds);
+pub const OPEN_FDS: Family = Family::gauge("process_open_fds", "Number of open file descriptors.");
+pub const MAX_FDS: Family = Family::gauge(
+    "process_max_fds",
+    "Maximum number of open file descriptors.",
+);
+pub const START_TIME: Family = Family::gauge(
+    "process_start_time_seconds",
+    "Start time of the process since unix epoch in seconds.",
+)
+.in_unit(Unit::Seconds);
+
+/// The families this module records.
+pub const FAMILIES: &[Family] = &[
+    WORKERS,
+    WORKER_BUSY_RATIO,
+    POLLS,
+    LONG_POLLS,
+    BLOCKING_THREADS,
+    BLOCKING_QUEUE_DEPTH,
+    ALIVE_TASKS,
+    GLOBAL_QUEUE_DEPTH,
+    SCHEDULING_LAG,
+    RESIDENT_MEMORY,
+    CPU_SECONDS,
+    OPEN_FDS,
+    MAX_FDS,
+    START_TIME,
+];
+
+pin_project_lite::pin_project! {
+    /// Times each poll of the inner future; a poll longer than the threshold is a worker thread
+    /// held hostage, and is reported from inside the request's span.
+    pub struct PollTimer<'a, F> {
+        #[pin]
+        inner: F,
+        telemetry: &'a Telemetry,
+    }
+}
+
+impl<'a, F> PollTimer<'a, F> {
+    pub fn new(inner: F, telemetry: &'a Telemetry) -> Self {
+        Self { inner, telemetry }
+    }
+}
+
+impl<F: Future> Future for PollTimer<'_, F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        let started = std::time::Instant::now();
+        let result = this.inner.poll(cx);
+        let took = started.elapsed();
+        if took >= this.telemetry.settings.long_poll_threshold {
+            this.telemetry.long_poll(took);
+        }
+        result
+    }
+}
+
+/// Starts the heartbeat and the once-a-second runtime sampler on the current runtime; both
+/// stop when `shutdown` is cancelled.
+pub fn spawn_samplers(shutdown: CancellationToken) {
+    tokio::spawn(heartbeat(shutdown.clone()));
+    tokio::spawn(sample_runtime(shutdown));
+}
+
+async fn heartbeat(shutdown: CancellationToken) {
+    let lag = metrics::histogram!(SCHEDULING_LAG.name);
+    let period = Duration::from_millis(100);
+    loop {
+        let expected = Instant::now() + period;
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep_until(expected) => {}
+        }
+        lag.record(
+            Instant::now()
+                .saturating_duration_since(expected)
+                .as_secs_f64(),
+        );
+    }
+}
+
+async fn sample_runtime(shutdown: CancellationToken) {
+    let handle = tokio::runtime::Handle::current();
+    let rt = handle.metrics();
+    let workers = rt.num_workers();
+    let busy_gauges: Vec<Gauge> = (0..workers)
+        .map(|w| metrics::gauge!(WORKER_BUSY_RATIO.name, "worker" => w.to_string()))
+        .collect();
+    let workers_gauge = metrics::gauge!(WORKERS.name);
+    let alive = metrics::gauge!(ALIVE_TASKS.name);
+    let global = metrics::gauge!(GLOBAL_QUEUE_DEPTH.name);
+    let mut unstable = Unstable::new(&rt);
+    let mut last_busy: Vec<Duration> = (0..workers)
+        .map(|w| rt.worker_total_busy_duration(w))
+        .collect();
+    let mut last = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let elapsed = last.elapsed().as_secs_f64().max(1e-3);
+        last = Instant::now();
+        workers_gauge.set(workers as f64);
+        for (w, gauge) in busy_gauges.iter().enumerate() {
+            let busy = rt.worker_total_busy_duration(w);
+            let delta = busy.saturating_sub(last_busy[w]).as_secs_f64();
+            last_busy[w] = busy;
+            gauge.set((delta / elapsed).min(1.0));
+        }
+        alive.set(rt.num_alive_tasks() as f64);
+        global.set(rt.global_queue_depth() as f64);
+        unstable.sample(&rt);
+        super::logs::record_dropped_lines();
+    }
+}
+
+/// The samples that need `--cfg tokio_unstable` (set in `.cargo/config.toml`).
+struct Unstable {
+    polls: Counter,
+    last_polls: u64,
+    blocking: Gauge,
+    blocking_queue: Gauge,
+}
+
+impl Unstable {
+    fn new(rt: &tokio::runtime::RuntimeMetrics) -> Self {
+        Self {
+            polls: metrics::counter!(POLLS.name),
+            last_polls: Self::total_polls(rt),
+            blocking: metrics::gauge!(BLOCKING_THREADS.name),
+            blocking_queue: metrics::gauge!(BLOCKING_QUEUE_DEPTH.name),
+        }
+    }
+
+    fn total_polls(rt: &tokio::runtime::RuntimeMetrics) -> u64 {
+        (0..rt.num_workers()).map(|w| rt.worker_poll_count(w)).sum()
+    }
+
+    fn sample(&mut self, rt: &tokio::runtime::RuntimeMetrics) {
+        let total = Self::total_polls(rt);
+        self.polls.increment(total.saturating_sub(self.last_polls));
+        self.last_polls = total;
+        self.blocking.set(rt.num_blocking_threads() as f64);
+        self.blocking_queue.set(rt.blocking_queue_depth() as f64);
+    }
+}
+
+/// The long-poll counter, registered once.
+pub(super) fn long_polls() -> Counter {
+    metrics::counter!(LONG_POLLS.name)
+}
+
+/// Starts the `/proc` sampler on a plain thread (file reads never touch a worker). It runs for
+/// the life of the process, like the recorder it feeds.
+pub(super) fn spawn_process_sampler() -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("process-metrics".into())
+        .spawn(process::sample_forever)
+        .map(drop)
+}
+
+mod process {
+    use std::time::Duration;
+
+    use super::{CPU_SECONDS, MAX_FDS, OPEN_FDS, RESIDENT_MEMORY, START_TIME};
+
+    pub(super) fn sample_forever() {
+        let rss = metrics::gauge!(RESIDENT_MEMORY.name);
+        let cpu = metrics::counter!(CPU_SECONDS.name);
+        let fds = metrics::gauge!(OPEN_FDS.name);
+        let max_fds = metrics::gauge!(MAX_FDS.name);
+        let start = metrics::gauge!(START_TIME.name);
+        let ticks = 100.0; // USER_HZ on Linux
+        let page = 4096.0;
+        let boot = boot_time();
+        loop {
+            if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
+                // Fields after the command name, which is in parentheses and may contain spaces.
+                if let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) {
+                    let f: Vec<&str> = rest.split_whitespace().collect();
+                    let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+                    // rest starts at field 3 (state): utime=14, stime=15, starttime=22, rss=24.
+                    // A Prometheus counter through the `metrics` facade is an integer: whole
+                    // CPU seconds, which is what rate() over minutes needs.
+                    let total_ticks = num(11) + num(12);
+                    cpu.absolute((total_ticks as f64 / ticks) as u64);
+                    rss.set(num(21) as f64 * page);
+                    if let Some(boot) = boot {
+                        start.set(boot + num(19) as f64 / ticks);
+                    }
+                }
+            }
+            if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+                fds.set(dir.count() as f64);
+            }
+            if let Ok(limits) = std::fs::read_to_string("/proc/self/limits")
+                && let Some(line) = limits.lines().find(|l| l.starts_with("Max open files"))
+                && let Some(v) = line
+                    .split_whitespace()
+                    .nth(3)
+                    .and_then(|v| v.parse::<f64>().ok())
+            {
+                max_fds.set(v);
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+
+    fn boot_time() -> Option<f64> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let btime = stat.lines().find_map(|l| l.strip_prefix("btime "))?;
+        btime.trim().parse().ok()
+    }
+}

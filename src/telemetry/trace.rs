@@ -1,0 +1,235 @@
+//! Traces: W3C trace context in and out, and the OpenTelemetry exporter.
+//!
+//! With an OTLP endpoint configured, the request span and every call and query span are
+//! exported, and the ids come from the exported spans. Without one, the request still gets
+//! trace ids ([`local_trace_ids`]): the caller's trace id or a new one, and a span id of its
+//! own, so logs and the `traceparent` of every downstream call join up across services anyway.
+
+use std::sync::OnceLock;
+
+use axum::http::HeaderMap;
+
+use crate::context::TraceIds;
+
+/// Process-wide flag: whether spans are exported through OpenTelemetry.
+static OTEL_ACTIVE: OnceLock<bool> = OnceLock::new();
+
+pub(super) fn set_otel_active(active: bool) {
+    let _ = OTEL_ACTIVE.set(active);
+}
+
+/// Whether spans are exported through OpenTelemetry (an OTLP endpoint is configured).
+pub fn otel_active() -> bool {
+    OTEL_ACTIVE.get().copied().unwrap_or(false)
+}
+
+/// A parsed W3C `traceparent`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceParent {
+    pub trace_id: String,
+    pub parent_id: String,
+    pub sampled: bool,
+}
+
+/// Parses `traceparent` (version 00), rejecting malformed or all-zero ids as the spec requires.
+pub fn parse_traceparent(headers: &HeaderMap) -> Option<TraceParent> {
+    let v = headers.get("traceparent")?.to_str().ok()?;
+    let mut parts = v.trim().split('-');
+    let (version, trace_id, parent_id, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+            && s.bytes().any(|b| b != b'0')
+    };
+    if version != "00" || parts.next().is_some() || !hex(trace_id, 32) || !hex(parent_id, 16) {
+        return None;
+    }
+    let flags = u8::from_str_radix(flags, 16).ok()?;
+    Some(TraceParent {
+        trace_id: trace_id.to_owned(),
+        parent_id: parent_id.to_owned(),
+        sampled: flags & 1 == 1,
+    })
+}
+
+fn random_hex(bytes: usize) -> String {
+    use rand::RngCore;
+    let mut buf = [0u8; 16];
+    rand::rng().fill_bytes(&mut buf[..bytes]);
+    hex::encode(&buf[..bytes])
+}
+
+/// W3C trace headers for an outgoing call made now: the current span's ids when spans are
+/// exported (so the callee's spans hang under this call's span), the request's otherwise; the
+/// caller's `tracestate` is passed on either way.
+pub fn outgoing_trace_headers() -> (Option<String>, Option<String>) {
+    let ctx = crate::context::current();
+    let tracestate = ctx.as_ref().and_then(|c| c.trace.tracestate.clone());
+    #[cfg(feature = "otel")]
+    if otel_active()
+        && let Some(tp) = otel::current_traceparent()
+    {
+        return (Some(tp), tracestate);
+    }
+    (ctx.map(|c| c.traceparent()), tracestate)
+}
+
+/// Links `span` to the caller's trace and returns the ids the exported span got, when spans are
+/// exported; `None` otherwise (use [`local_trace_ids`]).
+pub fn attach_trace(span: &tracing::Span, headers: &HeaderMap) -> Option<TraceIds> {
+    #[cfg(feature = "otel")]
+    if otel_active() {
+        return otel::attach(span, headers);
+    }
+    let _ = (span, headers);
+    None
+}
+
+/// Trace ids for a request when spans are not exported: the caller's trace id (or a new one),
+/// a new span id for this hop, and the caller's `tracestate` passed on. They go into logs and
+/// into the `traceparent` of every downstream call, so traces still join up across services.
+pub fn local_trace_ids(incoming: Option<&TraceParent>, headers: &HeaderMap) -> TraceIds {
+    let tracestate = incoming
+        .and(headers.get("tracestate"))
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    TraceIds {
+        trace_id: incoming.map_or_else(|| random_hex(16), |t| t.trace_id.clone()),
+        span_id: random_hex(8),
+        sampled: incoming.is_none_or(|t| t.sampled),
+        tracestate,
+    }
+}
+
+#[cfg(feature = "otel")]
+pub(super) mod otel {
+    use axum::http::HeaderMap;
+    use opentelemetry::{
+        propagation::{Extractor, TextMapPropagator},
+        trace::{TraceContextExt, TracerProvider as _},
+    };
+    use opentelemetry_otlp::{Protocol, WithExportConfig};
+    use opentelemetry_sdk::{
+        Resource,
+        propagation::TraceContextPropagator,
+        trace::{BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider},
+    };
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+    use crate::{config::TelemetrySettings, context::TraceIds};
+
+    pub(in crate::telemetry) fn layer<S>(
+        settings: &TelemetrySettings,
+        endpoint: &str,
+    ) -> anyhow::Result<(
+        tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>,
+        SdkTracerProvider,
+    )>
+    where
+        S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
+    {
+        let endpoint = endpoint.trim_end_matches('/');
+        let url = if endpoint.ends_with("/v1/traces") {
+            endpoint.to_owned()
+        } else {
+            format!("{endpoint}/v1/traces")
+        };
+        crate::tls::install_provider();
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(Protocol::HttpBinary)
+            .with_endpoint(url)
+            .build()?;
+        let processor = BatchSpanProcessor::builder(exporter)
+            .with_batch_config(
+                BatchConfigBuilder::default()
+                    .with_scheduled_delay(std::time::Duration::from_millis(500))
+                    .with_max_queue_size(8192)
+                    .build(),
+            )
+            .build();
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(processor)
+            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+                settings.sampling_ratio,
+            ))))
+            .with_resource(
+                Resource::builder()
+                    .with_service_name(settings.service_name.clone())
+                    .build(),
+            )
+            .build();
+        let tracer = provider.tracer("tributary");
+        Ok((
+            tracing_opentelemetry::layer()
+                .with_tracer(tracer)
+                .with_error_records_to_exceptions(true),
+            provider,
+        ))
+    }
+
+    struct Headers<'a>(&'a HeaderMap);
+
+    impl Extractor for Headers<'_> {
+        fn get(&self, key: &str) -> Option<&str> {
+            self.0.get(key).and_then(|v| v.to_str().ok())
+        }
+        fn keys(&self) -> Vec<&str> {
+            self.0.keys().map(|k| k.as_str()).collect()
+        }
+    }
+
+    /// Parents `span` on the incoming W3C context and reads back its ids.
+    pub(super) fn attach(span: &tracing::Span, headers: &HeaderMap) -> Option<TraceIds> {
+        let parent = TraceContextPropagator::new().extract(&Headers(headers));
+        let _ = span.set_parent(parent);
+        let cx = span.context();
+        let sc = cx.span().span_context().clone();
+        let tracestate = sc.trace_state().header();
+        sc.is_valid().then(|| TraceIds {
+            trace_id: sc.trace_id().to_string(),
+            span_id: sc.span_id().to_string(),
+            sampled: sc.is_sampled(),
+            tracestate: (!tracestate.is_empty()).then_some(tracestate),
+        })
+    }
+
+    /// The current span's ids as a `traceparent` value.
+    pub(super) fn current_traceparent() -> Option<String> {
+        let cx = tracing::Span::current().context();
+        let sc = cx.span().span_context().clone();
+        sc.is_valid()
+            .then(|| crate::context::traceparent(sc.trace_id(), sc.span_id(), sc.is_sampled()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(tp: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert("traceparent", tp.parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn traceparent_parsing_follows_the_spec() {
+        let ok = parse_traceparent(&headers(
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ))
+        .unwrap();
+        assert_eq!(ok.trace_id, "0af7651916cd43dd8448eb211c80319c");
+        assert!(ok.sampled);
+        for bad in [
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",
+        ] {
+            assert!(parse_traceparent(&headers(bad)).is_none(), "{bad}");
+        }
+    }
+}
