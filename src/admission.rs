@@ -32,16 +32,14 @@ use tokio::{
 };
 
 use crate::{
-    config::{AdaptiveSettings, AdmissionMode, Settings},
+    config::{AdaptiveSettings, AdmissionMode, RouteGroup, Settings},
     telemetry::Family,
 };
 
-/// Route groups with their own limiter.
-pub const GROUPS: [&str; 2] = ["dashboard", "orders"];
-
 /// The limiters of all groups plus the shared readiness signal.
 pub struct Admission {
-    limiters: Vec<Arc<Limiter>>,
+    /// One per route group, indexed by it.
+    limiters: [Arc<Limiter>; 2],
     shedding: Arc<AtomicBool>,
 }
 
@@ -52,19 +50,16 @@ impl Admission {
         let shedding = Arc::new(AtomicBool::new(false));
         let shedding_gauge = metrics::gauge!(SHEDDING.name);
         shedding_gauge.set(0.0);
-        let limiters = GROUPS
-            .iter()
-            .map(|group| {
-                let (limit, max_wait) = settings.admission_for(group);
-                Arc::new(Limiter::new(
-                    group,
-                    settings.admission.mode,
-                    limit,
-                    max_wait,
-                    &settings.admission.adaptive,
-                ))
-            })
-            .collect();
+        let limiters = RouteGroup::ALL.map(|group| {
+            let (limit, max_wait) = settings.admission_for(group);
+            Arc::new(Limiter::new(
+                group,
+                settings.admission.mode,
+                limit.get(),
+                max_wait,
+                &settings.admission.adaptive,
+            ))
+        });
         let this = Arc::new(Self { limiters, shedding });
         let hysteresis = Hysteresis::new(settings);
         tokio::spawn(bookkeeping(
@@ -75,12 +70,8 @@ impl Admission {
         this
     }
 
-    pub fn limiter(&self, group: &str) -> Arc<Limiter> {
-        let i = GROUPS
-            .iter()
-            .position(|g| *g == group)
-            .expect("known group");
-        Arc::clone(&self.limiters[i])
+    pub fn limiter(&self, group: RouteGroup) -> Arc<Limiter> {
+        Arc::clone(&self.limiters[group as usize])
     }
 
     /// True while shedding has been heavy (readiness reports not-ready).
@@ -108,9 +99,9 @@ impl Hysteresis {
     fn new(settings: &Settings) -> Self {
         let a = &settings.admission;
         Self {
-            unready_ratio: a.unready_shed_ratio,
+            unready_ratio: a.unready_shed_ratio.get(),
             unready_after: a.unready_after_secs.max(1),
-            ready_ratio: a.ready_shed_ratio,
+            ready_ratio: a.ready_shed_ratio.get(),
             ready_after: a.ready_after_secs.max(1),
             heavy_secs: 0,
             light_secs: 0,
@@ -214,7 +205,8 @@ struct Instruments {
 }
 
 impl Instruments {
-    fn register(group: &'static str) -> Self {
+    fn register(group: RouteGroup) -> Self {
+        let group = group.as_str();
         Self {
             in_use: metrics::gauge!(PERMITS_IN_USE.name, "group" => group),
             limit: metrics::gauge!(LIMIT.name, "group" => group),
@@ -245,7 +237,7 @@ pub struct Limiter {
 
 impl Limiter {
     fn new(
-        group: &'static str,
+        group: RouteGroup,
         mode: AdmissionMode,
         static_limit: usize,
         max_wait: Duration,
@@ -464,10 +456,10 @@ impl Gradient2 {
 
     pub fn new(s: &AdaptiveSettings) -> Self {
         Self {
-            min: s.min_limit as f64,
+            min: s.min_limit.get() as f64,
             max: s.max_limit as f64,
             tolerance: s.tolerance,
-            smoothing: s.smoothing,
+            smoothing: s.smoothing.get(),
             limit: s.initial_limit as f64,
             long_rtt: None,
             window_started: Instant::now(),
@@ -525,10 +517,10 @@ mod tests {
     fn settings() -> AdaptiveSettings {
         AdaptiveSettings {
             initial_limit: 100,
-            min_limit: 10,
+            min_limit: std::num::NonZeroUsize::new(10).unwrap(),
             max_limit: 1000,
             tolerance: 1.5,
-            smoothing: 0.2,
+            smoothing: crate::config::Ratio::of(0.2),
         }
     }
 
@@ -602,7 +594,7 @@ mod tests {
     #[tokio::test]
     async fn permits_are_returned_on_drop_and_excess_is_rejected() {
         let l = Arc::new(Limiter::new(
-            "dashboard",
+            RouteGroup::Dashboard,
             AdmissionMode::Static,
             2,
             Duration::from_millis(5),
@@ -622,7 +614,7 @@ mod tests {
     #[tokio::test]
     async fn shrinking_below_the_permits_in_use_retires_them_as_they_return() {
         let l = Arc::new(Limiter::new(
-            "dashboard",
+            RouteGroup::Dashboard,
             AdmissionMode::Static,
             3,
             Duration::from_millis(1),

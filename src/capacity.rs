@@ -73,7 +73,7 @@ pub fn check_pool_budget(db: &DatabaseSettings) -> Vec<String> {
     let budget = db
         .server_max_connections
         .saturating_sub(db.reserved_connections);
-    let fleet = u64::from(db.max_connections) * u64::from(db.max_replicas);
+    let fleet = u64::from(db.max_connections.get()) * u64::from(db.max_replicas);
     let mut warnings = Vec::new();
     if fleet > u64::from(budget) {
         warnings.push(format!(
@@ -121,7 +121,7 @@ mod tests {
     #[test]
     fn the_fleet_budget_warns_with_numbers() {
         let db = DatabaseSettings {
-            max_connections: 30,
+            max_connections: std::num::NonZeroU32::new(30).unwrap(),
             max_replicas: 4,
             server_max_connections: 100,
             reserved_connections: 10,
@@ -132,7 +132,7 @@ mod tests {
         assert!(w[0].contains("= 120"), "{}", w[0]);
         assert!(w[0].contains("at most 22"), "{}", w[0]);
         let ok = DatabaseSettings {
-            max_connections: 20,
+            max_connections: std::num::NonZeroU32::new(20).unwrap(),
             ..db
         };
         assert!(check_pool_budget(&ok).is_empty());

@@ -25,6 +25,7 @@ pub mod capacity;
 pub mod config;
 pub mod context;
 pub mod db;
+pub mod domain;
 pub mod downstream;
 pub mod error;
 pub mod fanout;

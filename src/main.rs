@@ -26,8 +26,8 @@ static GLOBAL: MiMalloc = MiMalloc;
     about = "A gateway-aggregation service"
 )]
 struct Cli {
-    /// Configuration file (TOML); defaults to config/default.toml when it exists.
-    #[arg(long, env = "TRIBUTARY_CONFIG", global = true)]
+    /// Configuration file (TOML); else TRIBUTARY_CONFIG, else config/default.toml when it exists.
+    #[arg(long, global = true)]
     config: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
@@ -73,12 +73,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let default = PathBuf::from("config/default.toml");
-    let file = cli
-        .config
-        .clone()
-        .or_else(|| default.exists().then_some(default));
-    let settings = match Settings::load(&Sources::from_process(file.as_deref())) {
+    let settings = match Settings::load(&Sources::from_process(cli.config.as_deref())) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("tributary: {e}");
@@ -97,9 +92,8 @@ fn main() -> ExitCode {
 fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
     match command {
         Command::CheckConfig => {
-            let mut shown = settings.clone();
-            shown.database.url = tributary::config::Secret::new("***");
-            println!("{}", serde_json::to_string_pretty(&shown)?);
+            // Secrets print as *** and URL passwords are masked by their types.
+            println!("{}", serde_json::to_string_pretty(&settings)?);
             Ok(())
         }
         Command::Capacity {

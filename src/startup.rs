@@ -142,15 +142,15 @@ impl Application {
             .header_read_timeout(server.header_read_timeout)
             // Hard bounds at twice the configured limits: up to them the request layer answers
             // 431 with a problem document; beyond them hyper refuses with its own bare 431.
-            .max_headers(server.max_headers.saturating_mul(2))
+            .max_headers(server.max_headers.get().saturating_mul(2))
             // hyper's read buffer bounds the request head; it cannot go below 8 KiB.
-            .max_buf_size(server.max_header_bytes.saturating_mul(2).max(8192));
+            .max_buf_size(server.max_header_bytes.get().saturating_mul(2).max(8192));
         builder
             .http2()
             .timer(TokioTimer::new())
-            .max_header_list_size(server.max_header_bytes.saturating_mul(2) as u32);
+            .max_header_list_size(server.max_header_bytes.get().saturating_mul(2) as u32);
         let graceful = GracefulShutdown::new();
-        let connections = Arc::new(Semaphore::new(server.max_connections));
+        let connections = Arc::new(Semaphore::new(server.max_connections.get()));
         let addr = listener.local_addr()?;
         tracing::info!(%addr, "listening");
 

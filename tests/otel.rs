@@ -54,7 +54,7 @@ async fn a_dashboard_request_exports_one_server_span_with_six_children_in_the_ca
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
 
     let mut telemetry = tributary::Settings::default().telemetry;
-    telemetry.otlp_endpoint = Some(receiver);
+    telemetry.otlp_endpoint = Some(receiver.parse().expect("the receiver's URL"));
     telemetry.log_level = "warn,tributary=info".into();
     // The exporter's blocking HTTP client must be created outside async context.
     let guard = tokio::task::spawn_blocking(move || tributary::telemetry::init_tracing(&telemetry))

@@ -181,7 +181,7 @@ impl Db {
         let options =
             PgConnectOptions::from_str(settings.url.expose())?.application_name("tributary");
         let pool = PgPoolOptions::new()
-            .max_connections(settings.max_connections)
+            .max_connections(settings.max_connections.get())
             .min_connections(settings.min_connections)
             .acquire_timeout(settings.acquire_timeout)
             .idle_timeout(settings.idle_timeout)
@@ -195,7 +195,7 @@ impl Db {
                 futures::future::ready(Ok(())).boxed()
             })
             .connect_lazy_with(options);
-        let metrics = Arc::new(PoolMetrics::register(settings.max_connections));
+        let metrics = Arc::new(PoolMetrics::register(settings.max_connections.get()));
         let db = Self { pool, metrics };
         db.record_pool_gauges();
         Ok(db)

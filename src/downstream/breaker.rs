@@ -192,7 +192,7 @@ impl Breaker {
             s.failures += 1;
         }
         if s.calls >= self.settings.min_calls
-            && f64::from(s.failures) >= self.settings.failure_ratio * f64::from(s.calls)
+            && f64::from(s.failures) >= self.settings.failure_ratio.get() * f64::from(s.calls)
         {
             self.transition(&mut s, State::Open, now);
         }
@@ -236,7 +236,7 @@ mod tests {
             "test",
             CircuitBreakerSettings {
                 enabled: true,
-                failure_ratio: 0.5,
+                failure_ratio: crate::config::Ratio::of(0.5),
                 min_calls: 4,
                 window: Duration::from_secs(10),
                 open_for: Duration::from_secs(5),

@@ -227,13 +227,13 @@ impl Downstream {
         retry: &RetrySettings,
         client: reqwest::Client,
     ) -> Self {
-        let base = settings.base_url.trim_end_matches('/');
+        let base = settings.base_url.as_str().trim_end_matches('/');
         Self {
             name,
             prefix: format!("{base}/{name}/"),
             timeout: settings.timeout,
             hedge_after: settings.hedge_after,
-            bulkhead: Arc::new(Semaphore::new(settings.max_concurrency)),
+            bulkhead: Arc::new(Semaphore::new(settings.max_concurrency.get())),
             breaker: Breaker::new(
                 name,
                 breaker.clone(),
@@ -242,8 +242,8 @@ impl Downstream {
             retry: retry.clone(),
             retry_budget: TpsBudget::new(
                 Duration::from_secs(10),
-                retry.budget_min_per_sec,
-                retry.budget_ratio,
+                u32::from(retry.budget_min_per_sec),
+                retry.budget_ratio.get() as f32,
             ),
             client,
             metrics: Instruments::register(name),

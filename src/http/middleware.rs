@@ -61,16 +61,17 @@ pub async fn request_context(
     // The configured header limits, answered with a problem document. hyper enforces twice these
     // values as the hard memory bound and answers beyond that with a bare 431 of its own.
     let server = &state.settings.server;
+    let (max_headers, max_header_bytes) = (server.max_headers.get(), server.max_header_bytes.get());
     let head_bytes = request.uri().to_string().len()
         + method.as_str().len()
         + headers
             .iter()
             .map(|(name, value)| name.as_str().len() + value.len() + 4)
             .sum::<usize>();
-    if headers.len() > server.max_headers || head_bytes > server.max_header_bytes {
+    if headers.len() > max_headers || head_bytes > max_header_bytes {
         let mut response = ApiError::HeaderFieldsTooLarge {
-            max_headers: server.max_headers,
-            max_bytes: server.max_header_bytes,
+            max_headers,
+            max_bytes: max_header_bytes,
         }
         .into_response();
         response

@@ -16,8 +16,14 @@ use axum::{Router, extract::DefaultBodyLimit, middleware::from_fn_with_state, ro
 use tower::ServiceBuilder;
 
 use crate::{
-    admission::Admission, config::Settings, db::Db, downstream::Downstreams, error::ApiError,
-    fanout::FanoutMetrics, ratelimit::RateLimiter, telemetry::Telemetry,
+    admission::Admission,
+    config::{RouteGroup, Settings},
+    db::Db,
+    downstream::Downstreams,
+    error::ApiError,
+    fanout::FanoutMetrics,
+    ratelimit::RateLimiter,
+    telemetry::Telemetry,
 };
 
 /// Everything a handler may need, built once at start-up. Cheap to clone.
@@ -38,18 +44,18 @@ pub struct AppState {
 /// The whole application as a pure value: tests can drive it with `oneshot` or serve it.
 /// `extra` routes (tests, diagnostics) get the same request layer as the API.
 pub fn router(state: AppState, extra: Router<AppState>) -> Router {
-    let admit = |group: &'static str| {
+    let admit = |group: RouteGroup| {
         let limiter = state.admission.as_ref().map(|a| a.limiter(group));
         from_fn_with_state(limiter, middleware::admission)
     };
 
     let dashboard = Router::new()
         .route("/api/v1/dashboard/{user_id}", get(dashboard::get_dashboard))
-        .route_layer(admit("dashboard"));
+        .route_layer(admit(RouteGroup::Dashboard));
     let orders = Router::new()
         .route("/api/v1/orders", axum::routing::post(orders::create_order))
         .route("/api/v1/orders/{id}", get(orders::get_order))
-        .route_layer(admit("orders"));
+        .route_layer(admit(RouteGroup::Orders));
 
     let api = dashboard
         .merge(orders)
@@ -85,7 +91,9 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
                     ]),
                 )
                 // Bodies beyond the limit are refused with 413 before they are buffered.
-                .layer(DefaultBodyLimit::max(state.settings.server.max_body_bytes)),
+                .layer(DefaultBodyLimit::max(
+                    state.settings.server.max_body_bytes.get(),
+                )),
         )
         .with_state(state)
 }

@@ -66,16 +66,12 @@ pub fn install_subscriber<W>(
 where
     W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
 {
-    let directives = std::env::var("RUST_LOG")
-        .ok()
-        .filter(|v| !v.trim().is_empty())
-        .unwrap_or_else(|| settings.log_level.clone());
-    let filter = LogFilter::parse(&directives)?;
+    let filter = LogFilter::parse(&settings.log_level)?;
     let only_request_span = filter_fn(|meta| !meta.is_span() || meta.name() == REQUEST_SPAN);
 
     #[cfg(feature = "otel")]
     if let Some(endpoint) = &settings.otlp_endpoint {
-        let (otel_layer, provider) = trace::otel::layer(settings, endpoint)?;
+        let (otel_layer, provider) = trace::otel::layer(settings, endpoint.as_str())?;
         let log_filter = match filter {
             LogFilter::Targets(t) => FilterExt::boxed(t),
             LogFilter::Env(e) => FilterExt::boxed(e),

@@ -152,7 +152,7 @@ pub(super) mod otel {
         let provider = SdkTracerProvider::builder()
             .with_span_processor(processor)
             .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-                settings.sampling_ratio,
+                settings.sampling_ratio.get(),
             ))))
             .with_resource(
                 Resource::builder()

@@ -1,6 +1,19 @@
-//! The `tributary` binary's own command line, run as a process.
+//! The `tributary` binary's own command line, run as a process: what `--version` and
+//! `check-config` print, and how a bad environment stops it before anything starts.
 
-use std::process::Command;
+use std::process::{Command, Output};
+
+/// Runs `tributary <args>` in the repository root (where `config/default.toml` is) with only
+/// `env` in its environment.
+fn tributary(args: &[&str], env: &[(&str, &str)]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tributary"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env_clear()
+        .envs(env.iter().copied())
+        .output()
+        .expect("the tributary binary runs")
+}
 
 /// The revision this test was compiled with: the same `TRIBUTARY_GIT_REVISION` cargo gave the
 /// binary (CI's container check builds the image with a real one and reads it back).
@@ -26,4 +39,63 @@ fn version_names_the_package_version_and_the_git_revision() {
             build_revision()
         )
     );
+}
+
+#[test]
+fn check_config_masks_every_secret_and_every_url_password() {
+    let out = tributary(
+        &["check-config"],
+        &[
+            ("DATABASE_URL", "postgres://app:pw-database@db:5432/app"),
+            (
+                "TRIBUTARY_RATE_LIMIT__REDIS_URL",
+                "redis://:pw-redis@cache:6379",
+            ),
+            (
+                "TRIBUTARY_TELEMETRY__OTLP_ENDPOINT",
+                "https://otel:pw-otlp@collector:4318",
+            ),
+            (
+                "TRIBUTARY_DOWNSTREAMS__CARTS__BASE_URL",
+                "http://gateway:pw-carts@carts:8080",
+            ),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    for password in ["pw-database", "pw-redis", "pw-otlp", "pw-carts"] {
+        assert!(!stdout.contains(password), "{password} printed:\n{stdout}");
+    }
+    let shown: serde_json::Value = serde_json::from_str(&stdout).expect("check-config prints JSON");
+    assert_eq!(shown["database"]["url"], "***");
+    assert_eq!(shown["rate_limit"]["redis_url"], "***");
+    assert_eq!(
+        shown["telemetry"]["otlp_endpoint"],
+        "https://otel:***@collector:4318/"
+    );
+    assert_eq!(
+        shown["downstreams"]["carts"]["base_url"],
+        "http://gateway:***@carts:8080/"
+    );
+}
+
+#[test]
+fn a_variable_that_names_no_setting_stops_start_up_with_the_closest_key() {
+    let out = tributary(
+        &["check-config"],
+        &[("TRIBUTARY_DATABASE_URL", "postgres://app:pw@db/app")],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        stderr.contains(
+            "TRIBUTARY_DATABASE_URL names no setting; did you mean TRIBUTARY_DATABASE__URL?"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("pw"),
+        "the value is not repeated: {stderr}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
 }

@@ -7,6 +7,7 @@
 
 use std::{
     net::SocketAddr,
+    num::{NonZeroU32, NonZeroUsize},
     sync::{Arc, Mutex, OnceLock},
     time::Duration,
 };
@@ -94,14 +95,24 @@ pub fn test_settings(sim_url: &str, database_url: &str) -> Settings {
     s.server.drain_timeout = Duration::from_secs(5);
     s.database.url = tributary::config::Secret::new(database_url);
     s.database.min_connections = 0;
-    s.database.max_connections = 5;
+    s.database.max_connections = nz32(5);
     s.database.max_replicas = 1;
     for d in s.downstreams.iter_mut() {
-        d.base_url = sim_url.to_owned();
+        d.base_url = sim_url.parse().expect("the simulator's URL");
         d.timeout = Duration::from_millis(500);
     }
     s.telemetry.long_poll_threshold = Duration::from_millis(50);
     s
+}
+
+/// `n` as a limit (settings hold limits and sizes as non-zero numbers).
+pub fn nz(n: usize) -> NonZeroUsize {
+    NonZeroUsize::new(n).expect("a non-zero limit")
+}
+
+/// `n` as a 32-bit limit.
+pub fn nz32(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).expect("a non-zero limit")
 }
 
 /// Creates and migrates a fresh database; returns its name.

@@ -20,7 +20,9 @@ use tokio::{
 };
 use tributary::{Settings, config::RateLimitKey};
 
-use crate::helpers::{TestApp, eventually, log_lines, metric_value, problem, spawn_app_with};
+use crate::helpers::{
+    TestApp, eventually, log_lines, metric_value, nz, nz32, problem, spawn_app_with,
+};
 
 const DASHBOARD: &str = "/api/v1/dashboard/1";
 const SHARED_REDIS: &str = "redis://127.0.0.1:6379";
@@ -32,8 +34,8 @@ fn unique_key() -> String {
 
 fn limit(s: &mut Settings, per_second: u32, burst: u32) {
     s.rate_limit.enabled = true;
-    s.rate_limit.per_second = per_second;
-    s.rate_limit.burst = burst;
+    s.rate_limit.per_second = nz32(per_second);
+    s.rate_limit.burst = nz32(burst);
 }
 
 async fn as_client(app: &TestApp, api_key: &str) -> reqwest::Response {
@@ -261,7 +263,7 @@ async fn a_client_over_its_rate_gets_429_problem_with_retry_after_and_ratelimit_
 async fn over_its_rate_a_client_gets_429_while_a_full_gateway_gives_others_503() {
     let app = spawn_app_with(|s| {
         limit(s, 1, 2);
-        s.admission.max_in_flight = 1;
+        s.admission.max_in_flight = nz(1);
         s.admission.max_wait = Duration::from_millis(50);
         s.downstreams.users.timeout = Duration::from_secs(5);
     })
@@ -327,7 +329,7 @@ async fn x_forwarded_for_is_honoured_from_a_trusted_proxy() {
     let app = spawn_app_with(|s| {
         limit(s, 1, 2);
         s.rate_limit.key = RateLimitKey::Ip;
-        s.rate_limit.trusted_proxies = vec!["127.0.0.1/32".into()];
+        s.rate_limit.trusted_proxies = vec!["127.0.0.1/32".parse().unwrap()];
     })
     .await;
     let client = "198.51.100.7";

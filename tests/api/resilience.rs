@@ -25,11 +25,14 @@ use tokio::{
     sync::{Mutex, MutexGuard},
     time::Instant,
 };
-use tributary::sim::{Mode, SERVICES};
+use tributary::{
+    config::{Ratio, RouteGroup},
+    sim::{Mode, SERVICES},
+};
 
 use crate::{
     chaos::ChaosProxy,
-    helpers::{TestApp, eventually, metric_value, problem, server_url, spawn_app_with},
+    helpers::{TestApp, eventually, metric_value, nz, nz32, problem, server_url, spawn_app_with},
 };
 
 /// Optional services and the dashboard field each one fills.
@@ -223,7 +226,7 @@ async fn a_downstream_hanging_forever_is_null_and_degraded_and_its_in_flight_cou
 {
     let _serial = serial().await;
     let app = spawn_app_with(|s| {
-        every_downstream(s, |d| d.max_concurrency = 8);
+        every_downstream(s, |d| d.max_concurrency = nz(8));
         s.downstreams.recommendations.timeout = Duration::from_millis(200);
     })
     .await;
@@ -280,7 +283,7 @@ async fn failing_and_resetting_downstreams_open_their_circuits_and_half_open_pro
     let open_for = Duration::from_millis(500);
     let app = spawn_app_with(|s| {
         s.circuit_breaker.min_calls = 4;
-        s.circuit_breaker.failure_ratio = 0.5;
+        s.circuit_breaker.failure_ratio = Ratio::of(0.5);
         s.circuit_breaker.window = Duration::from_secs(30);
         s.circuit_breaker.open_for = open_for;
         s.circuit_breaker.half_open_probes = 2;
@@ -595,7 +598,7 @@ async fn a_database_outage_turns_readiness_off_and_degrades_recent_orders_until_
 async fn an_exhausted_pool_degrades_recent_orders_within_the_budget_and_leaves_no_query_running() {
     let _serial = serial().await;
     let app = spawn_app_with(|s| {
-        s.database.max_connections = 1;
+        s.database.max_connections = nz32(1);
         s.server.request_deadline = Duration::from_millis(1500);
     })
     .await;
@@ -901,7 +904,7 @@ async fn concurrent_orders_retried_through_a_flapping_database_are_neither_lost_
 async fn a_burst_of_ten_times_the_admission_limit_sheds_the_excess_with_503_and_retry_after() {
     let _serial = serial().await;
     let app = spawn_app_with(|s| {
-        s.admission.max_in_flight = 10;
+        s.admission.max_in_flight = nz(10);
         s.admission.max_wait = Duration::from_millis(5);
         every_downstream(s, |d| d.timeout = Duration::from_secs(1));
     })
@@ -909,7 +912,12 @@ async fn a_burst_of_ten_times_the_admission_limit_sheds_the_excess_with_503_and_
     for service in SERVICES {
         app.set_service(service, |b| b.latency = Duration::from_millis(200));
     }
-    let limiter = app.state.admission.as_ref().unwrap().limiter("dashboard");
+    let limiter = app
+        .state
+        .admission
+        .as_ref()
+        .unwrap()
+        .limiter(RouteGroup::Dashboard);
     let rejections_before = metric(
         &app,
         "tributary_admission_rejections_total",
@@ -988,7 +996,7 @@ async fn memory_stays_bounded_across_repeated_bursts() {
     const BODY: u64 = 256 * 1024;
     const BOUND: u64 = 200 * 1024 * 1024;
     let app = spawn_app_with(|s| {
-        s.admission.max_in_flight = 20;
+        s.admission.max_in_flight = nz(20);
         s.admission.max_wait = Duration::from_millis(5);
         s.server.request_deadline = Duration::from_secs(5);
         every_downstream(s, |d| d.timeout = Duration::from_secs(4));
@@ -1049,11 +1057,11 @@ async fn a_storm_of_client_disconnects_leaks_no_permits_tasks_or_downstream_call
         // Few slots and a long wait: most of the storm is queued for admission when its
         // clients go away, the rest is inside the fan-out with every bulkhead full. Nothing
         // times out by itself before the clients leave.
-        s.admission.max_in_flight = 16;
+        s.admission.max_in_flight = nz(16);
         s.admission.max_wait = Duration::from_secs(5);
         s.server.request_deadline = Duration::from_secs(10);
         every_downstream(s, |d| {
-            d.max_concurrency = 16;
+            d.max_concurrency = nz(16);
             d.timeout = Duration::from_secs(10);
         });
     })
@@ -1062,7 +1070,7 @@ async fn a_storm_of_client_disconnects_leaks_no_permits_tasks_or_downstream_call
         app.set_service(service, |b| b.latency = Duration::from_secs(10));
     }
     let admission = app.state.admission.as_ref().unwrap();
-    let limiter = admission.limiter("dashboard");
+    let limiter = admission.limiter(RouteGroup::Dashboard);
 
     // 200 clients send their requests; once the gateway holds them (admitted or queued), all
     // of them hang up at once.
@@ -1172,7 +1180,7 @@ async fn readiness(app: &TestApp) -> (u16, Value) {
 async fn readiness_turns_off_under_heavy_shedding_and_comes_back_only_after_the_hysteresis() {
     let _serial = serial().await;
     let app = spawn_app_with(|s| {
-        s.admission.max_in_flight = 2;
+        s.admission.max_in_flight = nz(2);
         s.admission.max_wait = Duration::from_millis(1);
         s.admission.unready_after_secs = 1;
         s.admission.ready_after_secs = 2;
@@ -1221,9 +1229,9 @@ async fn the_adaptive_limit_goes_down_when_downstream_latency_rises_under_load()
         // More clients than the limit can ever reach, so the limiter is never
         // application-limited (Gradient2 does not move an idle limit, in either direction).
         s.admission.adaptive.initial_limit = 10;
-        s.admission.adaptive.min_limit = 2;
+        s.admission.adaptive.min_limit = nz(2);
         s.admission.adaptive.max_limit = 20;
-        s.admission.adaptive.smoothing = 0.5;
+        s.admission.adaptive.smoothing = Ratio::of(0.5);
         s.server.request_deadline = Duration::from_secs(3);
         every_downstream(s, |d| d.timeout = Duration::from_secs(2));
     })
@@ -1231,7 +1239,12 @@ async fn the_adaptive_limit_goes_down_when_downstream_latency_rises_under_load()
     for service in SERVICES {
         app.set_service(service, |b| b.latency = Duration::from_millis(50));
     }
-    let limiter = app.state.admission.as_ref().unwrap().limiter("dashboard");
+    let limiter = app
+        .state
+        .admission
+        .as_ref()
+        .unwrap()
+        .limiter(RouteGroup::Dashboard);
     let stop = Arc::new(AtomicBool::new(false));
     let load = sustained_load(&app, 30, Arc::clone(&stop));
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -1295,8 +1308,8 @@ async fn read_until_closed(stream: &mut TcpStream) -> (String, bool) {
 async fn too_many_headers_or_an_oversized_request_head_are_431() {
     let _serial = serial().await;
     let app = spawn_app_with(|s| {
-        s.server.max_headers = 16;
-        s.server.max_header_bytes = 8192;
+        s.server.max_headers = nz(16);
+        s.server.max_header_bytes = nz(8192);
     })
     .await;
 
@@ -1377,7 +1390,7 @@ async fn a_slowloris_client_is_disconnected_after_the_header_read_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_beyond_max_connections_get_a_503_problem() {
     let _serial = serial().await;
-    let app = spawn_app_with(|s| s.server.max_connections = 2).await;
+    let app = spawn_app_with(|s| s.server.max_connections = nz(2)).await;
 
     // Two kept-alive connections, each proven established by a completed request.
     let mut held = Vec::new();
