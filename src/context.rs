@@ -107,6 +107,15 @@ pub fn current() -> Option<Arc<RequestContext>> {
     CURRENT.try_with(Arc::clone).ok()
 }
 
+/// How long a request may take when code runs outside one (a background task, a test that
+/// calls a client directly): long, but still a bound.
+const OUTSIDE_A_REQUEST: Duration = Duration::from_secs(30);
+
+/// The current request's deadline; outside a request, [`OUTSIDE_A_REQUEST`] from now.
+pub fn deadline() -> Instant {
+    current().map_or_else(|| Instant::now() + OUTSIDE_A_REQUEST, |c| c.deadline)
+}
+
 /// Spawns `fut` carrying the current request's context with it (task-locals do not cross
 /// `tokio::spawn` on their own). Outside a request it is a plain spawn.
 pub fn spawn<F>(fut: F) -> tokio::task::JoinHandle<F::Output>

@@ -2,10 +2,13 @@
 //!
 //! Each variant is a client-visible outcome with one status; the mapping is the single `match`
 //! in [`ApiError::status`]. Bodies are RFC 9457 `application/problem+json`. Client errors say
-//! what was wrong (down to the field); server errors are opaque — their cause chain is logged
-//! once, here, inside the request's span, and never sent.
+//! what was wrong (down to the field); server errors are opaque: their cause chain is never
+//! sent. Turning an error into a response logs nothing; the response carries the error in its
+//! extensions, and the request layer (`http::middleware::record`) logs it once, inside the
+//! request's span: every error in the access line, and [the unexpected
+//! ones](ApiError::is_unexpected) at ERROR with their cause chain.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use axum::{
     Json,
@@ -47,7 +50,11 @@ pub enum ApiError {
     RateLimited { retry_after: Duration },
     /// 502: a required downstream answered with an error or an invalid body.
     #[error("required downstream {service} failed")]
-    BadGateway { service: &'static str },
+    BadGateway {
+        service: &'static str,
+        #[source]
+        cause: crate::downstream::CallError,
+    },
     /// 503: the gateway is full or a required dependency is known to be down ("we are full").
     #[error("service unavailable: {reason}")]
     Unavailable {
@@ -80,6 +87,15 @@ impl ApiError {
             field: field.into(),
             detail: detail.into(),
         }
+    }
+
+    /// Whether this error is one nobody intended, worth an ERROR line with its cause: a 500,
+    /// or a required downstream that failed. The others are answers the gateway chose (a
+    /// full gateway's 503, an open circuit's 503, a deadline's 504, every 4xx); they are in
+    /// the access line and the metrics, and logging each at ERROR would flood the log exactly
+    /// during the overload they report.
+    pub fn is_unexpected(&self) -> bool {
+        matches!(self, ApiError::Internal(_) | ApiError::BadGateway { .. })
     }
 
     pub fn status(&self) -> StatusCode {
@@ -139,7 +155,7 @@ impl ApiError {
                 Some("too many requests from this client; slow down and retry later".into()),
                 None,
             ),
-            ApiError::BadGateway { service } => (
+            ApiError::BadGateway { service, .. } => (
                 "bad-gateway",
                 Some(format!("the required {service} service failed")),
                 None,
@@ -207,11 +223,6 @@ pub struct Problem {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
-        if status.is_server_error() {
-            // The one place a server-side error is logged: inside the request span, with the
-            // whole cause chain, which the client never sees.
-            tracing::error!(error = ?self, status = status.as_u16(), "request failed");
-        }
         let mut response = (status, Json(self.problem())).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
@@ -220,6 +231,8 @@ impl IntoResponse for ApiError {
             let secs = after.as_secs_f64().ceil().max(1.0) as u64;
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        // For the request layer, which logs it.
+        response.extensions_mut().insert(Arc::new(self));
         response
     }
 }

@@ -138,24 +138,18 @@ pub async fn dashboard(state: &AppState, user_id: i64) -> Result<(Dashboard, Tim
         };
         Ok::<_, CallError>((r, t.elapsed()))
     };
-    let joined = async {
-        tokio::try_join!(
-            required,
-            optional_call(&ds.carts, user_id),
-            optional_call(&ds.recommendations, user_id),
-            optional_call(&ds.promotions, user_id),
-            optional_call(&ds.notifications, user_id),
-            orders,
-        )
-    };
-    // Every part bounds itself by the deadline; this outer bound is the safety net for a part
-    // that does not, with a little grace so it never races a part finishing just in time.
-    let outcome = tokio::time::timeout_at(deadline + Duration::from_millis(50), joined).await;
-    let (profile, cart, recommendations, promotions, notifications, recent_orders) = match outcome {
-        Err(_) => return Err(ApiError::GatewayTimeout),
-        Ok(Err(e)) => return Err(required_failure(e)),
-        Ok(Ok(parts)) => parts,
-    };
+    // Every part bounds itself by the deadline; the request layer's edge deadline is the
+    // safety net for one that does not.
+    let joined = tokio::try_join!(
+        required,
+        optional_call(&ds.carts, user_id),
+        optional_call(&ds.recommendations, user_id),
+        optional_call(&ds.promotions, user_id),
+        optional_call(&ds.notifications, user_id),
+        orders,
+    );
+    let (profile, cart, recommendations, promotions, notifications, recent_orders) =
+        joined.map_err(required_failure)?;
     let total = started.elapsed();
 
     let mut timings = Timings {
@@ -253,9 +247,6 @@ fn required_failure(e: CallError) -> ApiError {
         CallError::Status { status: 404, .. } => ApiError::NotFound,
         CallError::Status { service, .. }
         | CallError::Transport { service, .. }
-        | CallError::InvalidBody { service, .. } => {
-            tracing::warn!(error = %crate::error::chain(&e), "required part failed");
-            ApiError::BadGateway { service }
-        }
+        | CallError::InvalidBody { service, .. } => ApiError::BadGateway { service, cause: e },
     }
 }

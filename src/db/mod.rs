@@ -225,7 +225,9 @@ impl Db {
                     .map_err(AcquireError::Database)?;
             Ok::<_, AcquireError>(applied)
         };
-        match tokio::time::timeout(Duration::from_secs(2), check).await {
+        // Within the request's deadline, so that the answer is this one and not the edge's 504.
+        let give_up = (Instant::now() + Duration::from_secs(2)).min(crate::context::deadline());
+        match tokio::time::timeout_at(give_up, check).await {
             Ok(Ok(Some(applied))) if applied >= latest => Ok(()),
             Ok(Ok(applied)) => Err(format!(
                 "migrations pending: applied {applied:?}, latest {latest}"

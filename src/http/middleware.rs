@@ -1,33 +1,51 @@
-//! The request layer, admission and rate limiting as axum middleware functions.
+//! The request layers, admission and rate limiting as axum middleware functions, composed in
+//! [`super::router`] outermost first:
 //!
-//! `request_context` is the one place a request's identity is established: it validates or
-//! generates the request id, reads the caller's trace context and budget, fixes the deadline,
-//! and runs the rest of the stack inside the task-local context and the request span. It also
-//! measures the request (RED metrics by route template, never raw paths) and watches every
-//! poll of the request future for one that blocks the worker thread.
+//! - [`request_context`] is the one place a request's identity is established: it validates or
+//!   generates the request id, reads the caller's trace context and budget, fixes the
+//!   deadline, and runs the rest of the stack inside the task-local context and the request
+//!   span;
+//! - [`record`] measures the request (RED metrics by route template, never raw paths), writes
+//!   its one access line and, for an error nobody expected, its one error line with the cause
+//!   chain. It does so from a guard, so a request the client abandons is recorded too, as 499;
+//! - [`watch_polls`] times every poll of the request future and reports one that blocks the
+//!   worker thread, from inside the request's span;
+//! - [`header_limits`] answers the configured header limits with a 431 problem;
+//! - [`deadline`] bounds every route by the request's deadline: past it, a 504.
 
 use std::{any::Any, sync::Arc, time::Duration};
 
 use axum::{
     extract::{ConnectInfo, MatchedPath, Request, State},
-    http::{HeaderMap, HeaderValue, Response},
+    http::{HeaderMap, HeaderValue, Method, Response, StatusCode},
     middleware::Next,
     response::IntoResponse,
 };
 use tokio::time::Instant;
-use tracing::Instrument;
+use tracing::{Instrument, Span};
 
 use super::AppState;
 use crate::{
     admission::Limiter,
+    config::ServerSettings,
     context::{self, RequestContext},
     downstream::BUDGET_HEADER,
-    error::ApiError,
-    ratelimit::Decision,
-    telemetry::{self, PollTimer},
+    error::{ApiError, chain},
+    ratelimit::{Decision, RateLimiter},
+    telemetry::{self, ActiveGuard, PollTimer, Telemetry},
 };
 
 const REQUEST_ID: &str = "x-request-id";
+
+/// The status recorded for a request whose client went away before it was answered (the
+/// convention nginx started): no response was sent, so no real status exists.
+pub const CLIENT_CLOSED_REQUEST: u16 = 499;
+
+/// How long after its deadline the edge gives up on a request. Every part of a request bounds
+/// itself by the deadline and answers for itself (a degraded part, a 504 of its own); the edge
+/// is the safety net for whatever does not, such as a statement on a database that went
+/// silent, and must not race those answers.
+const DEADLINE_GRACE: Duration = Duration::from_millis(100);
 
 /// A request id we are willing to echo and log: short, printable, no separators that could
 /// forge log fields or headers.
@@ -45,43 +63,27 @@ fn caller_budget(headers: &HeaderMap) -> Option<Duration> {
     Some(Duration::from_millis(ms))
 }
 
+/// The route template, never the raw path; `unmatched` for the fallback.
+fn route_of(request: &Request) -> Option<MatchedPath> {
+    request.extensions().get::<MatchedPath>().cloned()
+}
+
+fn route_label(route: Option<&MatchedPath>) -> &str {
+    route.map_or("unmatched", MatchedPath::as_str)
+}
+
+/// Request id, deadline and trace context into the task-local; the request span around the
+/// rest of the stack.
 pub async fn request_context(
     State(state): State<AppState>,
     request: Request,
     next: Next,
 ) -> axum::response::Response {
     let started = Instant::now();
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|p| p.as_str().to_owned())
-        .unwrap_or_else(|| "unmatched".to_owned());
-    let method = request.method().clone();
+    let route = route_of(&request);
+    let route = route_label(route.as_ref());
+    let method = request.method();
     let headers = request.headers();
-    // The configured header limits, answered with a problem document. hyper enforces twice these
-    // values as the hard memory bound and answers beyond that with a bare 431 of its own.
-    let server = &state.settings.server;
-    let (max_headers, max_header_bytes) = (server.max_headers.get(), server.max_header_bytes.get());
-    let head_bytes = request.uri().to_string().len()
-        + method.as_str().len()
-        + headers
-            .iter()
-            .map(|(name, value)| name.as_str().len() + value.len() + 4)
-            .sum::<usize>();
-    if headers.len() > max_headers || head_bytes > max_header_bytes {
-        let mut response = ApiError::HeaderFieldsTooLarge {
-            max_headers,
-            max_bytes: max_header_bytes,
-        }
-        .into_response();
-        response
-            .headers_mut()
-            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-        state
-            .telemetry
-            .record_request(&route, &method, 431, started.elapsed());
-        return response;
-    }
     let request_id: Arc<str> = match headers.get(REQUEST_ID).and_then(valid_request_id) {
         Some(id) => id.into(),
         None => uuid::Uuid::new_v4().simple().to_string().into(),
@@ -129,53 +131,162 @@ pub async fn request_context(
         trace,
         started + budget,
     ));
-    let active = state.telemetry.active_request();
-    let inner = context::scope(Arc::clone(&ctx), next.run(request));
-    let mut response = PollTimer::new(inner, &state.telemetry)
-        .instrument(span.clone())
+    let mut response = context::scope(ctx, next.run(request))
+        .instrument(span)
         .await;
-    drop(active);
-
-    let status = response.status();
     if let Ok(v) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert(REQUEST_ID, v);
     }
-    let elapsed = started.elapsed();
-    state
-        .telemetry
-        .record_request(&route, &method, status.as_u16(), elapsed);
-    let user_id = ctx.user_id();
-    if otel {
-        // The exported server span's attributes; the log line below carries the same values.
-        // An i64: OpenTelemetry has no unsigned integers, and a u64 is exported as a string.
-        span.record("http.response.status_code", i64::from(status.as_u16()));
-        if status.is_server_error() {
-            span.record("otel.status_code", "ERROR");
-        }
-        if let Some(user_id) = user_id {
-            span.record("user_id", user_id);
-        }
-    }
-    let _entered = span.enter();
-    tracing::info!(
-        status = status.as_u16(),
-        route = %route,
-        user_id,
-        latency_ms = elapsed.as_secs_f64() * 1000.0,
-        "request completed"
-    );
     response
 }
 
-/// Admission for one route group; `None` when admission control is disabled.
-pub async fn admission(
-    State(limiter): State<Option<Arc<Limiter>>>,
+/// RED metrics, the access line and the error log, written once per request by a guard; runs
+/// inside the request span and context.
+pub async fn record(
+    State(telemetry): State<Arc<Telemetry>>,
     request: Request,
     next: Next,
 ) -> axum::response::Response {
-    let Some(limiter) = limiter else {
-        return next.run(request).await;
+    let mut finish = Finish {
+        _active: telemetry.active_request(),
+        telemetry: &telemetry,
+        route: route_of(&request),
+        method: request.method().clone(),
+        started: Instant::now(),
+        span: Span::current(),
+        response: None,
     };
+    let response = next.run(request).await;
+    finish.response = Some((response.status(), response.extensions().get().cloned()));
+    drop(finish);
+    response
+}
+
+/// Records a request when it is dropped: with its response's status when there is one, as
+/// [`CLIENT_CLOSED_REQUEST`] when the request future was dropped first (the client hung up).
+/// Either way the latency histogram gets the sample, so the slowest requests, the ones clients
+/// give up on, do not vanish from it.
+struct Finish<'a> {
+    telemetry: &'a Telemetry,
+    /// Counts the request as active until the record is written.
+    _active: ActiveGuard<'a>,
+    route: Option<MatchedPath>,
+    method: Method,
+    started: Instant,
+    /// The request span: the guard may be dropped while the span is entered for the drop
+    /// only, so it records on the span it was created in.
+    span: Span,
+    /// The status, and the error the response was made from, if any.
+    response: Option<(StatusCode, Option<Arc<ApiError>>)>,
+}
+
+impl Drop for Finish<'_> {
+    fn drop(&mut self) {
+        let elapsed = self.started.elapsed();
+        let route = route_label(self.route.as_ref());
+        let (status, error) = match self.response.take() {
+            Some((status, error)) => (status.as_u16(), error),
+            None => (CLIENT_CLOSED_REQUEST, None),
+        };
+        self.telemetry
+            .record_request(route, &self.method, status, elapsed);
+        let user_id = context::current().and_then(|c| c.user_id());
+        if telemetry::otel_active() {
+            // The exported server span's attributes; the log line below carries the same
+            // values. An i64: OpenTelemetry has no unsigned integers, and a u64 is exported as
+            // a string.
+            self.span
+                .record("http.response.status_code", i64::from(status));
+            if status >= 500 {
+                self.span.record("otel.status_code", "ERROR");
+            }
+            if let Some(user_id) = user_id {
+                self.span.record("user_id", user_id);
+            }
+        }
+        let _entered = self.span.enter();
+        let latency_ms = elapsed.as_secs_f64() * 1000.0;
+        if let Some(error) = error.as_deref().filter(|e| e.is_unexpected()) {
+            // The one place a server-side error's cause is logged; the client never sees it.
+            tracing::error!(status, error = %chain(error), "request failed");
+        }
+        let error = error.map(tracing::field::display);
+        if status == CLIENT_CLOSED_REQUEST {
+            tracing::info!(
+                status,
+                route,
+                user_id,
+                latency_ms,
+                "request abandoned by the client"
+            );
+        } else {
+            tracing::info!(
+                status,
+                route,
+                user_id,
+                latency_ms,
+                error,
+                "request completed"
+            );
+        }
+    }
+}
+
+/// Long-poll detection: a poll of the request future that holds the worker thread longer than
+/// `telemetry.long_poll_threshold` is counted and logged.
+pub async fn watch_polls(
+    State(telemetry): State<Arc<Telemetry>>,
+    request: Request,
+    next: Next,
+) -> axum::response::Response {
+    PollTimer::new(next.run(request), &telemetry).await
+}
+
+/// The configured header limits, answered with a problem document. hyper enforces twice these
+/// values as the hard memory bound and answers beyond that with a bare 431 of its own.
+pub async fn header_limits(
+    State(server): State<Arc<ServerSettings>>,
+    request: Request,
+    next: Next,
+) -> axum::response::Response {
+    let (max_headers, max_header_bytes) = (server.max_headers.get(), server.max_header_bytes.get());
+    let headers = request.headers();
+    let head_bytes = request.uri().to_string().len()
+        + request.method().as_str().len()
+        + headers
+            .iter()
+            .map(|(name, value)| name.as_str().len() + value.len() + 4)
+            .sum::<usize>();
+    if headers.len() > max_headers || head_bytes > max_header_bytes {
+        let mut response = ApiError::HeaderFieldsTooLarge {
+            max_headers,
+            max_bytes: max_header_bytes,
+        }
+        .into_response();
+        response
+            .headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        return response;
+    }
+    next.run(request).await
+}
+
+/// Bounds the rest of the stack by the request's deadline (plus [`DEADLINE_GRACE`]): a 504,
+/// and everything the request held (an admission permit, a pooled connection) let go.
+pub async fn deadline(request: Request, next: Next) -> axum::response::Response {
+    let deadline = context::deadline() + DEADLINE_GRACE;
+    match tokio::time::timeout_at(deadline, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => ApiError::GatewayTimeout.into_response(),
+    }
+}
+
+/// Admission for one route group (only mounted when admission control is enabled).
+pub async fn admission(
+    State(limiter): State<Arc<Limiter>>,
+    request: Request,
+    next: Next,
+) -> axum::response::Response {
     match limiter.acquire().await {
         Ok(permit) => {
             let response = next.run(request).await;
@@ -190,15 +301,12 @@ pub async fn admission(
     }
 }
 
-/// Per-client rate limiting (429); a no-op when it is not configured.
+/// Per-client rate limiting, 429 (only mounted when it is enabled).
 pub async fn rate_limit(
-    State(state): State<AppState>,
+    State(limiter): State<Arc<RateLimiter>>,
     request: Request,
     next: Next,
 ) -> axum::response::Response {
-    let Some(limiter) = state.rate_limiter.as_ref() else {
-        return next.run(request).await;
-    };
     let peer = request
         .extensions()
         .get::<ConnectInfo<std::net::SocketAddr>>()

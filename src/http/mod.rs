@@ -42,12 +42,23 @@ pub struct AppState {
 }
 
 /// The whole application as a pure value: tests can drive it with `oneshot` or serve it.
-/// `extra` routes (tests, diagnostics) get the same request layer as the API.
+/// `extra` routes (tests, diagnostics) get the same request layers as the API.
 pub fn router(state: AppState, extra: Router<AppState>) -> Router {
+    // A disabled feature adds no layer.
     let admit = |group: RouteGroup| {
-        let limiter = state.admission.as_ref().map(|a| a.limiter(group));
-        from_fn_with_state(limiter, middleware::admission)
+        ServiceBuilder::new().option_layer(
+            state
+                .admission
+                .as_ref()
+                .map(|a| from_fn_with_state(a.limiter(group), middleware::admission)),
+        )
     };
+    let rate_limit = ServiceBuilder::new().option_layer(
+        state
+            .rate_limiter
+            .clone()
+            .map(|limiter| from_fn_with_state(limiter, middleware::rate_limit)),
+    );
 
     let dashboard = Router::new()
         .route("/api/v1/dashboard/{user_id}", get(dashboard::get_dashboard))
@@ -61,29 +72,49 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
         .merge(orders)
         .merge(extra)
         // 429 before 503: a client over its own limit should not take an admission slot.
-        .route_layer(from_fn_with_state(state.clone(), middleware::rate_limit));
+        .route_layer(rate_limit);
 
     let ops = Router::new()
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics));
 
+    let server = Arc::new(state.settings.server.clone());
     api.merge(ops)
         .fallback(|| async { ApiError::NotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(
             ServiceBuilder::new()
-                // Request id, deadline and trace context into the task-local; one span and one
-                // log line per request; RED metrics by route template; long-poll detection.
+                // Request id, deadline and trace context into the task-local; the request span
+                // around everything below.
                 .layer(from_fn_with_state(
                     state.clone(),
                     middleware::request_context,
                 ))
+                // RED metrics by route template, the one access line, and the one error line
+                // with the cause chain for unexpected errors; a request the client abandons is
+                // recorded as 499.
+                .layer(from_fn_with_state(
+                    Arc::clone(&state.telemetry),
+                    middleware::record,
+                ))
+                // A poll that blocks the worker thread is counted and logged in the request's
+                // span.
+                .layer(from_fn_with_state(
+                    Arc::clone(&state.telemetry),
+                    middleware::watch_polls,
+                ))
+                // 431 problem for heads over the configured limits, before any work is done.
+                .layer(from_fn_with_state(server, middleware::header_limits))
+                // Every route is bounded by the request's deadline: 504, and whatever the
+                // request held (admission permit, pooled connection) is let go.
+                .layer(axum::middleware::from_fn(middleware::deadline))
                 // A panic in a handler becomes an opaque 500 instead of a dropped connection.
                 .layer(tower_http::catch_panic::CatchPanicLayer::custom(
                     middleware::panic_response,
                 ))
-                // Credentials never reach logs or traces.
+                // Marks credentials as sensitive, so that no layer that logs headers (there is
+                // none today) could print them.
                 .layer(
                     tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer::new([
                         http::header::AUTHORIZATION,

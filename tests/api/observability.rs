@@ -8,7 +8,9 @@ use std::{
 use axum::{Router, routing::get};
 use tributary::{config::Secret, sim::Behaviour, startup::METRIC_FAMILIES};
 
-use crate::helpers::{log_lines, metric_value, spawn_app, spawn_app_full, spawn_app_with};
+use crate::helpers::{
+    eventually, log_lines, metric_value, nz, spawn_app, spawn_app_full, spawn_app_with,
+};
 
 /// A handler that does what no async handler may: block its worker thread.
 async fn blocks_the_worker() -> &'static str {
@@ -252,4 +254,152 @@ async fn a_request_without_trace_context_gets_fresh_ids_in_its_line() {
     assert_eq!(line["status"], 404, "{line}");
     assert_eq!(line["route"], "/api/v1/orders/{id}", "{line}");
     assert!(line["user_id"].is_null(), "{line}");
+}
+
+#[tokio::test]
+async fn a_request_the_client_abandons_is_recorded_as_499() {
+    let app = spawn_app().await;
+    for service in tributary::sim::SERVICES {
+        app.set_service(service, |b| b.latency = Duration::from_secs(5));
+    }
+    let abandoned = |text: &str| {
+        metric_value(
+            text,
+            "http_server_request_duration_seconds_count",
+            &[
+                ("http_route", "/api/v1/dashboard/{user_id}"),
+                ("http_response_status_code", "499"),
+            ],
+        )
+        .unwrap_or(0.0)
+    };
+    let before = abandoned(&app.metrics().await);
+
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let gave_up = impatient
+        .get(app.url("/api/v1/dashboard/1"))
+        .header("x-request-id", "abandoned-1")
+        .send()
+        .await;
+    assert!(gave_up.is_err(), "the client was meant to give up first");
+
+    let line = |l: &serde_json::Value| l["span"]["request_id"] == "abandoned-1";
+    assert!(
+        eventually(Duration::from_secs(5), || log_lines().iter().any(line)).await,
+        "no access line for the abandoned request"
+    );
+    let lines: Vec<_> = log_lines().into_iter().filter(line).collect();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["message"], "request abandoned by the client");
+    assert_eq!(lines[0]["status"], 499);
+    assert!(
+        lines[0]["latency_ms"].as_f64().unwrap() >= 150.0,
+        "{}",
+        lines[0]
+    );
+    // The line is written after the metrics, so one scrape sees them.
+    assert_eq!(abandoned(&app.metrics().await), before + 1.0);
+}
+
+async fn panics() -> &'static str {
+    panic!("a bug in a handler")
+}
+
+#[tokio::test]
+async fn only_unexpected_errors_are_logged_at_error_and_each_error_once() {
+    let app = spawn_app_full(
+        |s| {
+            s.admission.max_in_flight = nz(1);
+            s.admission.max_wait = Duration::from_millis(1);
+            s.server.request_deadline = Duration::from_secs(4);
+            s.downstreams.carts.timeout = Duration::from_secs(3);
+            s.downstreams.users.timeout = Duration::from_millis(300);
+        },
+        Router::new().route("/test/panics", get(panics)),
+        Behaviour {
+            latency: Duration::from_millis(5),
+            ..Behaviour::default()
+        },
+    )
+    .await;
+    let get = |path: &str, id: &str| {
+        app.client
+            .get(app.url(path))
+            .header("x-request-id", id)
+            .send()
+    };
+
+    // The one dashboard slot is held by a slow request; the next one is shed.
+    app.set_service("carts", |b| b.latency = Duration::from_secs(1));
+    let holder = tokio::spawn(get("/api/v1/dashboard/1", "holder-1"));
+    let limiter = app
+        .state
+        .admission
+        .as_ref()
+        .unwrap()
+        .limiter(tributary::config::RouteGroup::Dashboard);
+    assert!(eventually(Duration::from_secs(5), || limiter.in_flight() == 1).await);
+    assert_eq!(
+        get("/api/v1/dashboard/1", "shed-1").await.unwrap().status(),
+        503
+    );
+    assert_eq!(holder.await.unwrap().unwrap().status(), 200);
+    // A required part that times out: 504.
+    app.set_service("carts", |b| b.latency = Duration::from_millis(5));
+    app.hang("users");
+    assert_eq!(
+        get("/api/v1/dashboard/1", "timeout-1")
+            .await
+            .unwrap()
+            .status(),
+        504
+    );
+    // A bug: 500.
+    assert_eq!(get("/test/panics", "panic-1").await.unwrap().status(), 500);
+
+    let lines_of = |id: &str| -> Vec<serde_json::Value> {
+        log_lines()
+            .into_iter()
+            .filter(|l| l["span"]["request_id"] == id)
+            .collect()
+    };
+    for (id, status, error) in [
+        ("shed-1", 503, "concurrency limit"),
+        ("timeout-1", 504, "gateway timeout"),
+    ] {
+        let lines = lines_of(id);
+        assert_eq!(
+            lines.len(),
+            1,
+            "{id}: one access line, nothing else: {lines:?}"
+        );
+        assert_eq!(lines[0]["level"], "INFO", "{id}: {}", lines[0]);
+        assert_eq!(lines[0]["status"], status, "{id}: {}", lines[0]);
+        assert!(
+            lines[0]["error"]
+                .as_str()
+                .is_some_and(|e| e.contains(error)),
+            "{id}: {}",
+            lines[0]
+        );
+    }
+    let lines = lines_of("panic-1");
+    let errors: Vec<_> = lines.iter().filter(|l| l["level"] == "ERROR").collect();
+    assert_eq!(errors.len(), 1, "one error line for the bug: {lines:?}");
+    assert!(
+        errors[0]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("handler panicked: a bug in a handler")),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["message"] == "request completed" && l["status"] == 500),
+        "{lines:?}"
+    );
 }

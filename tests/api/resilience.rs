@@ -724,6 +724,79 @@ async fn a_database_that_goes_silent_mid_query_degrades_recent_orders_instead_of
     assert_eq!(body["profile"]["service"], "users");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orders_on_a_database_that_goes_silent_mid_statement_are_504_and_release_their_permit() {
+    let _serial = serial().await;
+    let proxy = ChaosProxy::start(postgres_addr()).await;
+    let app = spawn_app_behind(&proxy, |s| {
+        s.server.request_deadline = Duration::from_millis(1000);
+    })
+    .await;
+    let created = app
+        .client
+        .post(app.url("/api/v1/orders"))
+        .header("idempotency-key", "silent-read")
+        .json(&order(1))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 201);
+    let id = created.json::<Value>().await.unwrap()["id"].clone();
+    let limiter = app
+        .state
+        .admission
+        .as_ref()
+        .unwrap()
+        .limiter(RouteGroup::Orders);
+
+    // Each statement is on the server, waiting behind a lock; then the network goes silent (a
+    // partition: nothing closed, nothing delivered). The server's statement_timeout fires, but
+    // its answer never arrives, and sqlx has no timeout of its own.
+    for (table, request) in [
+        (
+            "idempotency_keys",
+            app.client
+                .post(app.url("/api/v1/orders"))
+                .header("idempotency-key", "silent-write")
+                .json(&order(2)),
+        ),
+        (
+            "orders",
+            app.client.get(app.url(&format!("/api/v1/orders/{id}"))),
+        ),
+    ] {
+        let mut locker = app.db.begin().await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"
+        )))
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+        let request = tokio::spawn(request.send());
+        let waiting = until(Duration::from_secs(5), || async {
+            gateway_queries(&app, "Lock").await == 1
+        })
+        .await;
+        proxy.stall();
+        let answer = request.await.unwrap();
+        let held = limiter.in_flight();
+        proxy.restore();
+        locker.rollback().await.unwrap();
+
+        assert!(
+            waiting,
+            "the gateway's statement on {table} never reached the server"
+        );
+        let (status, body) = problem(answer.expect("an answer, not a hung request")).await;
+        assert_eq!(status, 504, "{table}: {body}");
+        assert_eq!(body["type"], "/problems/gateway-timeout");
+        assert_eq!(
+            held, 0,
+            "{table}: the admission permit outlived the request"
+        );
+    }
+}
+
 /// Active statements of this test's gateway (`application_name = 'tributary'`) on its own
 /// database; `wait` = "Lock" counts only those waiting on a lock.
 async fn gateway_queries(app: &TestApp, wait: &str) -> i64 {
