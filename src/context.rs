@@ -116,6 +116,11 @@ pub fn deadline() -> Instant {
     current().map_or_else(|| Instant::now() + OUTSIDE_A_REQUEST, |c| c.deadline)
 }
 
+/// Time left before the current request's deadline (see [`deadline`]).
+pub fn remaining() -> Duration {
+    deadline().saturating_duration_since(Instant::now())
+}
+
 /// Spawns `fut` carrying the current request's context with it (task-locals do not cross
 /// `tokio::spawn` on their own). Outside a request it is a plain spawn.
 pub fn spawn<F>(fut: F) -> tokio::task::JoinHandle<F::Output>

@@ -17,6 +17,8 @@ use axum::{
 };
 use serde::Serialize;
 
+use crate::{db::DbError, domain::Service, downstream::CallError};
+
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
 #[derive(Debug, thiserror::Error)]
@@ -51,9 +53,9 @@ pub enum ApiError {
     /// 502: a required downstream answered with an error or an invalid body.
     #[error("required downstream {service} failed")]
     BadGateway {
-        service: &'static str,
+        service: Service,
         #[source]
-        cause: crate::downstream::CallError,
+        cause: CallError,
     },
     /// 503: the gateway is full or a required dependency is known to be down ("we are full").
     #[error("service unavailable: {reason}")]
@@ -69,14 +71,19 @@ pub enum ApiError {
     Internal(#[from] anyhow::Error),
 }
 
-impl From<sqlx::Error> for ApiError {
-    fn from(e: sqlx::Error) -> Self {
+/// What a database failure means for the request: the database's own faults are a 500, an
+/// exhausted pool is "we are full", and a budget spent is the deadline's 504.
+impl From<DbError> for ApiError {
+    fn from(e: DbError) -> Self {
         match e {
-            sqlx::Error::PoolTimedOut => ApiError::Unavailable {
-                reason: "database pool exhausted",
-                retry_after: Duration::from_secs(1),
-            },
-            other => ApiError::Internal(other.into()),
+            DbError::BudgetExhausted | DbError::StatementTimeout => ApiError::GatewayTimeout,
+            DbError::PoolTimedOut | DbError::Database(sqlx::Error::PoolTimedOut) => {
+                ApiError::Unavailable {
+                    reason: "database pool exhausted",
+                    retry_after: Duration::from_secs(1),
+                }
+            }
+            DbError::Database(e) => ApiError::Internal(e.into()),
         }
     }
 }

@@ -19,10 +19,11 @@ use serde_json::value::RawValue;
 use tokio::time::Instant;
 
 use crate::{
-    db::orders::OrderSummary,
-    downstream::{CallError, Downstream},
+    context,
+    db::{Db, DbError, orders::OrderSummary},
+    domain::{Part, Service},
+    downstream::{CallError, Downstream, Downstreams, Outcome},
     error::ApiError,
-    http::AppState,
     telemetry::Family,
 };
 
@@ -56,10 +57,10 @@ pub struct Dashboard {
     pub degraded: Vec<&'static str>,
 }
 
-/// Per-part durations for `Server-Timing`; `None` for a part that never finished.
+/// Per-part durations for `Server-Timing`.
 #[derive(Debug, Default)]
 pub struct Timings {
-    parts: Vec<(&'static str, Duration)>,
+    parts: Vec<(Part, Duration)>,
     total: Duration,
 }
 
@@ -68,8 +69,8 @@ impl Timings {
     pub fn header_value(&self) -> String {
         let mut out = String::with_capacity(160);
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-        for (name, d) in &self.parts {
-            let _ = write!(out, "{name};dur={:.1}, ", ms(*d));
+        for (part, d) in &self.parts {
+            let _ = write!(out, "{};dur={:.1}, ", part.label(), ms(*d));
         }
         let slowest = self.parts.iter().map(|p| p.1).max().unwrap_or_default();
         let _ = write!(
@@ -82,58 +83,58 @@ impl Timings {
     }
 }
 
-/// Metric label and `degraded` name for each part.
-const PARTS: [(&str, &str); 6] = [
-    ("users", "profile"),
-    ("carts", "cart"),
-    ("recommendations", "recommendations"),
-    ("promotions", "promotions"),
-    ("notifications", "notifications"),
-    ("recent_orders", "recent_orders"),
-];
-
-/// An optional part's result: its value, or why it is missing.
-type Optional<T> = (Result<T, &'static str>, Duration);
+/// An optional part's result: its value, or how its call ended instead; and how long it took.
+type Optional<T> = (Result<T, Outcome>, Duration);
 
 async fn optional_call(d: &Downstream, user_id: i64) -> Result<Optional<Box<RawValue>>, CallError> {
     let started = Instant::now();
     let r = d.fetch_user_part(user_id).await;
-    Ok((r.map_err(|e| e.outcome().as_str()), started.elapsed()))
+    Ok((r.map_err(|e| e.outcome()), started.elapsed()))
 }
 
-/// Runs the fan-out for one user.
-pub async fn dashboard(state: &AppState, user_id: i64) -> Result<(Dashboard, Timings), ApiError> {
+/// How a query for a part ended, in the downstream calls' terms.
+fn db_outcome(e: &DbError) -> Outcome {
+    match e {
+        DbError::PoolTimedOut => Outcome::Shed,
+        DbError::BudgetExhausted => Outcome::BudgetExhausted,
+        DbError::StatementTimeout => Outcome::Timeout,
+        DbError::Database(_) => Outcome::Error,
+    }
+}
+
+/// Runs the fan-out for one user: the five services' parts and the recent orders.
+pub async fn dashboard(
+    downstreams: &Downstreams,
+    db: &Db,
+    metrics: &FanoutMetrics,
+    user_id: i64,
+) -> Result<(Dashboard, Timings), ApiError> {
     let started = Instant::now();
-    let deadline = crate::context::current()
-        .map(|c| c.deadline)
-        .unwrap_or_else(|| Instant::now() + Duration::from_secs(30));
-    let ds = &state.downstreams;
     let required = async {
         let t = Instant::now();
-        ds.users
+        downstreams
+            .get(Service::Users)
             .fetch_user_part(user_id)
             .await
             .map(|v| (v, t.elapsed()))
     };
+    let optional = |service| optional_call(downstreams.get(service), user_id);
     let orders = async {
         let t = Instant::now();
         // The pool wait is bounded by the budget and the server cancels the statement at its
         // statement_timeout, but only a reachable server can say so: if the network goes
         // silent mid-query (a partition), that answer never arrives. Bound the part here too,
-        // like every downstream call, so it degrades instead of the safety net below turning
-        // the whole dashboard into a 504.
-        let r = match tokio::time::timeout_at(deadline, state.db.recent_orders(user_id)).await {
+        // like every downstream call, so it degrades instead of the request layer's edge
+        // deadline turning the whole dashboard into a 504.
+        let r = match tokio::time::timeout_at(context::deadline(), db.recent_orders(user_id)).await
+        {
             Ok(r) => r.map_err(|e| {
                 tracing::warn!(error = %e, "recent orders unavailable");
-                match e {
-                    crate::db::AcquireError::TimedOut => "shed",
-                    crate::db::AcquireError::BudgetExhausted => "budget_exhausted",
-                    crate::db::AcquireError::Database(_) => "error",
-                }
+                db_outcome(&e)
             }),
             Err(_) => {
                 tracing::warn!("recent orders unavailable: no answer within the deadline");
-                Err("timeout")
+                Err(Outcome::Timeout)
             }
         };
         Ok::<_, CallError>((r, t.elapsed()))
@@ -142,10 +143,10 @@ pub async fn dashboard(state: &AppState, user_id: i64) -> Result<(Dashboard, Tim
     // safety net for one that does not.
     let joined = tokio::try_join!(
         required,
-        optional_call(&ds.carts, user_id),
-        optional_call(&ds.recommendations, user_id),
-        optional_call(&ds.promotions, user_id),
-        optional_call(&ds.notifications, user_id),
+        optional(Service::Carts),
+        optional(Service::Recommendations),
+        optional(Service::Promotions),
+        optional(Service::Notifications),
         orders,
     );
     let (profile, cart, recommendations, promotions, notifications, recent_orders) =
@@ -153,26 +154,27 @@ pub async fn dashboard(state: &AppState, user_id: i64) -> Result<(Dashboard, Tim
     let total = started.elapsed();
 
     let mut timings = Timings {
-        parts: Vec::with_capacity(6),
+        parts: Vec::with_capacity(Part::ALL.len()),
         total,
     };
-    timings.parts.push((PARTS[0].0, profile.1));
+    timings.parts.push((Part::Profile, profile.1));
     let mut degraded = Vec::new();
-    let mut take = |i: usize, (r, d): Optional<Box<RawValue>>| {
-        timings.parts.push((PARTS[i].0, d));
-        r.map_err(|reason| degrade(&mut degraded, i, reason)).ok()
+    let mut take = |part: Part, (r, d): Optional<Box<RawValue>>| {
+        timings.parts.push((part, d));
+        r.map_err(|reason| degrade(&mut degraded, part, reason))
+            .ok()
     };
-    let cart = take(1, cart);
-    let recommendations = take(2, recommendations);
-    let promotions = take(3, promotions);
-    let notifications = take(4, notifications);
-    timings.parts.push((PARTS[5].0, recent_orders.1));
+    let cart = take(Part::Cart, cart);
+    let recommendations = take(Part::Recommendations, recommendations);
+    let promotions = take(Part::Promotions, promotions);
+    let notifications = take(Part::Notifications, notifications);
+    timings.parts.push((Part::RecentOrders, recent_orders.1));
     let recent_orders = recent_orders
         .0
-        .map_err(|reason| degrade(&mut degraded, 5, reason))
+        .map_err(|reason| degrade(&mut degraded, Part::RecentOrders, reason))
         .ok();
 
-    state.fanout_metrics.record(&timings);
+    metrics.record(&timings);
     Ok((
         Dashboard {
             user_id,
@@ -188,35 +190,31 @@ pub async fn dashboard(state: &AppState, user_id: i64) -> Result<(Dashboard, Tim
     ))
 }
 
-fn degrade(degraded: &mut Vec<&'static str>, part: usize, reason: &'static str) {
-    degraded.push(PARTS[part].1);
-    metrics::counter!(DEGRADED.name, "part" => PARTS[part].0, "reason" => reason).increment(1);
+fn degrade(degraded: &mut Vec<&'static str>, part: Part, reason: Outcome) {
+    degraded.push(part.field());
+    metrics::counter!(DEGRADED.name, "part" => part.label(), "reason" => reason.as_str())
+        .increment(1);
 }
 
 /// The fan-out's per-request instruments, registered once.
 pub struct FanoutMetrics {
-    critical_path: [(&'static str, Counter); 6],
+    /// By the part that was slowest, indexed by [`Part`].
+    critical_path: [Counter; 6],
     overhead: Histogram,
 }
 
 impl FanoutMetrics {
     pub fn new() -> Self {
         Self {
-            critical_path: PARTS.map(|(label, _)| {
-                (
-                    label,
-                    metrics::counter!(CRITICAL_PATH.name, "part" => label),
-                )
-            }),
+            critical_path: Part::ALL
+                .map(|part| metrics::counter!(CRITICAL_PATH.name, "part" => part.label())),
             overhead: metrics::histogram!(GATEWAY_OVERHEAD.name),
         }
     }
 
     fn record(&self, t: &Timings) {
         if let Some((part, slowest)) = t.parts.iter().max_by_key(|p| p.1) {
-            if let Some((_, counter)) = self.critical_path.iter().find(|(l, _)| l == part) {
-                counter.increment(1);
-            }
+            self.critical_path[*part as usize].increment(1);
             self.overhead
                 .record(t.total.saturating_sub(*slowest).as_secs_f64());
         }
@@ -233,11 +231,8 @@ impl Default for FanoutMetrics {
 fn required_failure(e: CallError) -> ApiError {
     match e {
         CallError::Timeout { .. } | CallError::BudgetExhausted { .. } => ApiError::GatewayTimeout,
-        CallError::CircuitOpen { service } => ApiError::Unavailable {
-            reason: match service {
-                "users" => "the users service is failing (circuit open)",
-                _ => "a required dependency is failing (circuit open)",
-            },
+        CallError::CircuitOpen { .. } => ApiError::Unavailable {
+            reason: "the users service is failing (circuit open)",
             retry_after: Duration::from_secs(5),
         },
         CallError::Shed { .. } => ApiError::Unavailable {
@@ -248,5 +243,36 @@ fn required_failure(e: CallError) -> ApiError {
         CallError::Status { service, .. }
         | CallError::Transport { service, .. }
         | CallError::InvalidBody { service, .. } => ApiError::BadGateway { service, cause: e },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_dashboard_has_a_field_for_every_part_and_the_degraded_list() {
+        let dashboard = Dashboard {
+            user_id: 1,
+            profile: RawValue::from_string("{}".into()).unwrap(),
+            cart: None,
+            recommendations: None,
+            promotions: None,
+            notifications: None,
+            recent_orders: None,
+            degraded: vec![],
+        };
+        let json = serde_json::to_value(&dashboard).unwrap();
+        let mut fields: Vec<&str> = json
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        fields.sort_unstable();
+        let mut expected: Vec<&str> = Part::ALL.map(Part::field).to_vec();
+        expected.extend(["degraded", "user_id"]);
+        expected.sort_unstable();
+        assert_eq!(fields, expected);
     }
 }

@@ -11,7 +11,7 @@
 //! is a thin wrapper for compose, Kubernetes and the benchmark lab.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::{BTreeMap, VecDeque},
     net::SocketAddr,
     sync::{
         Arc, Mutex,
@@ -30,13 +30,7 @@ use axum::{
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-pub const SERVICES: [&str; 5] = [
-    "users",
-    "carts",
-    "recommendations",
-    "promotions",
-    "notifications",
-];
+use crate::domain::Service;
 
 /// How a service behaves.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -88,7 +82,7 @@ pub enum Mode {
 /// One call as the simulator saw it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Seen {
-    pub service: String,
+    pub service: Service,
     pub user_id: i64,
     pub request_id: Option<String>,
     pub traceparent: Option<String>,
@@ -115,44 +109,32 @@ struct Counters {
     cancelled: AtomicU64,
 }
 
-/// Shared simulator state.
+/// Shared simulator state, per service indexed by [`Service`].
 pub struct Sim {
-    behaviour: Mutex<HashMap<String, Behaviour>>,
-    counters: HashMap<&'static str, Counters>,
+    behaviour: Mutex<[Behaviour; 5]>,
+    counters: [Counters; 5],
     journal: Mutex<VecDeque<Seen>>,
 }
 
 impl Sim {
     pub fn new(default: Behaviour) -> Arc<Self> {
         Arc::new(Self {
-            behaviour: Mutex::new(
-                SERVICES
-                    .iter()
-                    .map(|s| (s.to_string(), default.clone()))
-                    .collect(),
-            ),
-            counters: SERVICES.iter().map(|s| (*s, Counters::default())).collect(),
+            behaviour: Mutex::new(Service::ALL.map(|_| default.clone())),
+            counters: Default::default(),
             journal: Mutex::new(VecDeque::with_capacity(1024)),
         })
     }
 
-    pub fn set(&self, service: &str, behaviour: Behaviour) {
-        self.behaviour
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(service.to_owned(), behaviour);
+    pub fn set(&self, service: Service, behaviour: Behaviour) {
+        self.behaviour.lock().unwrap_or_else(|p| p.into_inner())[service as usize] = behaviour;
     }
 
-    pub fn behaviour(&self, service: &str) -> Option<Behaviour> {
-        self.behaviour
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(service)
-            .cloned()
+    pub fn behaviour(&self, service: Service) -> Behaviour {
+        self.behaviour.lock().unwrap_or_else(|p| p.into_inner())[service as usize].clone()
     }
 
-    pub fn stats(&self, service: &str) -> ServiceStats {
-        let c = &self.counters[service];
+    pub fn stats(&self, service: Service) -> ServiceStats {
+        let c = &self.counters[service as usize];
         ServiceStats {
             requests: c.requests.load(Ordering::Relaxed),
             in_flight: c.in_flight.load(Ordering::Relaxed),
@@ -215,12 +197,11 @@ async fn serve(
     Path((service, user_id)): Path<(String, i64)>,
     headers: HeaderMap,
 ) -> Response {
-    let Some((name, counters)) = sim.counters.get_key_value(service.as_str()) else {
+    let Ok(service) = service.parse::<Service>() else {
         return StatusCode::NOT_FOUND.into_response();
     };
-    let Some(b) = sim.behaviour(name) else {
-        return StatusCode::NOT_FOUND.into_response();
-    };
+    let counters = &sim.counters[service as usize];
+    let b = sim.behaviour(service);
     counters.requests.fetch_add(1, Ordering::Relaxed);
     counters.in_flight.fetch_add(1, Ordering::Relaxed);
     let mut guard = CallGuard {
@@ -234,7 +215,7 @@ async fn serve(
             .map(str::to_owned)
     };
     sim.record(Seen {
-        service: name.to_string(),
+        service,
         user_id,
         request_id: header("x-request-id"),
         traceparent: header("traceparent"),
@@ -278,7 +259,7 @@ async fn serve(
         Mode::NotFound => StatusCode::NOT_FOUND.into_response(),
         _ => (
             [(axum::http::header::CONTENT_TYPE, "application/json")],
-            body(name, user_id, b.body_bytes),
+            body(service, user_id, b.body_bytes),
         )
             .into_response(),
     }
@@ -308,7 +289,7 @@ fn burn(d: Duration) {
     }
 }
 
-fn body(service: &str, user_id: i64, size: usize) -> String {
+fn body(service: Service, user_id: i64, size: usize) -> String {
     let mut out = format!(r#"{{"service":"{service}","user_id":{user_id},"data":""#);
     let pad = size.saturating_sub(out.len() + 2);
     out.extend(std::iter::repeat_n('x', pad));
@@ -321,22 +302,27 @@ async fn set_behaviour(
     Path(service): Path<String>,
     Json(b): Json<Behaviour>,
 ) -> StatusCode {
-    if !SERVICES.contains(&service.as_str()) {
+    let Ok(service) = service.parse() else {
         return StatusCode::NOT_FOUND;
-    }
-    sim.set(&service, b);
+    };
+    sim.set(service, b);
     StatusCode::NO_CONTENT
 }
 
 async fn get_behaviour(State(sim): State<Arc<Sim>>, Path(service): Path<String>) -> Response {
-    match sim.behaviour(&service) {
-        Some(b) => Json(b).into_response(),
-        None => StatusCode::NOT_FOUND.into_response(),
+    match service.parse() {
+        Ok(service) => Json(sim.behaviour(service)).into_response(),
+        Err(_) => StatusCode::NOT_FOUND.into_response(),
     }
 }
 
-async fn stats(State(sim): State<Arc<Sim>>) -> Json<HashMap<&'static str, ServiceStats>> {
-    Json(SERVICES.iter().map(|s| (*s, sim.stats(s))).collect())
+async fn stats(State(sim): State<Arc<Sim>>) -> Json<BTreeMap<Service, ServiceStats>> {
+    Json(
+        Service::ALL
+            .into_iter()
+            .map(|s| (s, sim.stats(s)))
+            .collect(),
+    )
 }
 
 async fn journal(State(sim): State<Arc<Sim>>) -> Json<Vec<Seen>> {
@@ -383,7 +369,7 @@ mod tests {
     #[test]
     fn bodies_are_json_of_about_the_requested_size() {
         for size in [0, 64, 512, 4096] {
-            let b = body("carts", 7, size);
+            let b = body(Service::Carts, 7, size);
             let v: serde_json::Value = serde_json::from_str(&b).unwrap();
             assert_eq!(v["user_id"], 7);
             if size > 64 {

@@ -19,6 +19,7 @@ use opentelemetry_proto::tonic::{
 };
 use prost::Message;
 use tokio::sync::Mutex;
+use tributary::domain::Service;
 
 type Received = Arc<Mutex<Vec<Span>>>;
 
@@ -146,7 +147,10 @@ async fn a_dashboard_request_exports_one_server_span_with_six_children_in_the_ca
     };
     assert_eq!(status(users), Some(200), "{:?}", users.attributes);
     assert_eq!(status(&server), Some(200), "{:?}", server.attributes);
-    let users_call = journal.iter().find(|s| s.service == "users").unwrap();
+    let users_call = journal
+        .iter()
+        .find(|s| s.service == Service::Users)
+        .unwrap();
     assert_eq!(
         &users_call.traceparent.as_deref().unwrap()[36..52],
         hex::encode(&users.span_id)

@@ -29,7 +29,7 @@ use std::{
 use http::HeaderName;
 use serde::{Deserialize, Serialize};
 
-pub use crate::domain::RouteGroup;
+pub use crate::domain::{RouteGroup, Service};
 pub use load::{ConfigError, Sources};
 pub use types::{Cidr, HttpUrl, Ratio, Secret};
 
@@ -172,8 +172,8 @@ impl Default for HttpClientSettings {
     }
 }
 
-/// The five downstream services. Field names are the service names used in metrics and
-/// in the `degraded` list.
+/// The five downstream services, one key per [`Service`] (a test keeps the keys and the
+/// service names equal).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Downstreams {
@@ -203,6 +203,28 @@ impl Default for Downstreams {
 }
 
 impl Downstreams {
+    /// One service's settings.
+    pub fn get(&self, service: Service) -> &DownstreamSettings {
+        match service {
+            Service::Users => &self.users,
+            Service::Carts => &self.carts,
+            Service::Recommendations => &self.recommendations,
+            Service::Promotions => &self.promotions,
+            Service::Notifications => &self.notifications,
+        }
+    }
+
+    /// One service's settings, mutably.
+    pub fn get_mut(&mut self, service: Service) -> &mut DownstreamSettings {
+        match service {
+            Service::Users => &mut self.users,
+            Service::Carts => &mut self.carts,
+            Service::Recommendations => &mut self.recommendations,
+            Service::Promotions => &mut self.promotions,
+            Service::Notifications => &mut self.notifications,
+        }
+    }
+
     /// The five services' settings, mutably (tests and tools that set all of them at once).
     pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut DownstreamSettings> {
         [
@@ -211,17 +233,6 @@ impl Downstreams {
             &mut self.recommendations,
             &mut self.promotions,
             &mut self.notifications,
-        ]
-        .into_iter()
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &DownstreamSettings)> {
-        [
-            ("users", &self.users),
-            ("carts", &self.carts),
-            ("recommendations", &self.recommendations),
-            ("promotions", &self.promotions),
-            ("notifications", &self.notifications),
         ]
         .into_iter()
     }
@@ -749,6 +760,31 @@ mod tests {
         assert!(err.matches(": ").count() >= 4, "{err}");
         for password in ["hunter1", "hunter2", "hunter3", "hunter4"] {
             assert!(!err.contains(password), "{password} in {err}");
+        }
+    }
+
+    #[test]
+    fn the_downstream_keys_are_the_service_names() {
+        let mut s = Settings::default();
+        for service in Service::ALL {
+            s.downstreams.get_mut(service).timeout = Duration::from_millis(service as u64 + 1);
+        }
+        let json = serde_json::to_value(&s.downstreams).unwrap();
+        let mut keys: Vec<&str> = json
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        keys.sort_unstable();
+        let mut names = Service::ALL.map(Service::as_str);
+        names.sort_unstable();
+        assert_eq!(keys, names);
+        for service in Service::ALL {
+            assert_eq!(
+                json[service.as_str()]["timeout"],
+                format!("{}ms", service as u64 + 1)
+            );
         }
     }
 

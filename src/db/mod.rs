@@ -148,28 +148,35 @@ impl Statement {
     }
 }
 
-/// Why a connection could not be had.
+/// Why a database operation produced no result. The HTTP status each one means is decided in
+/// `error.rs`, not here.
 #[derive(Debug, thiserror::Error)]
-pub enum AcquireError {
+pub enum DbError {
     /// The request's remaining budget is too small to run a statement.
     #[error("request budget exhausted before the database was reached")]
     BudgetExhausted,
     /// The pool stayed empty for the whole acquire timeout (or the remaining budget).
     #[error("timed out waiting for a database connection")]
-    TimedOut,
+    PoolTimedOut,
+    /// The server cancelled a statement at its `statement_timeout`: the request's budget ran
+    /// out while it ran.
+    #[error("the statement outlived the request's budget and was cancelled")]
+    StatementTimeout,
+    /// Anything else the driver or the server reported.
     #[error(transparent)]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
 }
 
-impl From<AcquireError> for crate::error::ApiError {
-    fn from(e: AcquireError) -> Self {
-        match e {
-            AcquireError::BudgetExhausted => crate::error::ApiError::GatewayTimeout,
-            AcquireError::TimedOut => crate::error::ApiError::Unavailable {
-                reason: "database pool exhausted",
-                retry_after: Duration::from_secs(1),
-            },
-            AcquireError::Database(e) => e.into(),
+/// Postgres's `query_canceled`, which a `statement_timeout` raises.
+const QUERY_CANCELED: &str = "57014";
+
+impl From<sqlx::Error> for DbError {
+    fn from(e: sqlx::Error) -> Self {
+        match &e {
+            sqlx::Error::Database(db) if db.code().as_deref() == Some(QUERY_CANCELED) => {
+                DbError::StatementTimeout
+            }
+            _ => DbError::Database(e),
         }
     }
 }
@@ -222,8 +229,8 @@ impl Db {
                 sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
                     .fetch_one(&mut *conn)
                     .await
-                    .map_err(AcquireError::Database)?;
-            Ok::<_, AcquireError>(applied)
+                    .map_err(DbError::Database)?;
+            Ok::<_, DbError>(applied)
         };
         // Within the request's deadline, so that the answer is this one and not the edge's 504.
         let give_up = (Instant::now() + Duration::from_secs(2)).min(crate::context::deadline());
@@ -267,7 +274,7 @@ impl Db {
     pub async fn acquire(
         &self,
         max_wait: Duration,
-    ) -> Result<PoolConnection<sqlx::Postgres>, AcquireError> {
+    ) -> Result<PoolConnection<sqlx::Postgres>, DbError> {
         self.acquire_until(Instant::now() + max_wait).await
     }
 
@@ -275,7 +282,7 @@ impl Db {
     async fn acquire_until(
         &self,
         deadline: Instant,
-    ) -> Result<PoolConnection<sqlx::Postgres>, AcquireError> {
+    ) -> Result<PoolConnection<sqlx::Postgres>, DbError> {
         let m = &self.metrics;
         let _waiting = WaiterGuard::new(m);
         let started = Instant::now();
@@ -298,9 +305,9 @@ impl Db {
             Ok(Err(sqlx::Error::PoolTimedOut)) | Err(_) => {
                 m.acquire_timeouts.increment(1);
                 m.acquire_wait.record(elapsed);
-                Err(AcquireError::TimedOut)
+                Err(DbError::PoolTimedOut)
             }
-            Ok(Err(e)) => Err(AcquireError::Database(e)),
+            Ok(Err(e)) => Err(DbError::from(e)),
         }
     }
 
@@ -311,22 +318,18 @@ impl Db {
     /// longer use.
     pub async fn acquire_for_request(
         &self,
-    ) -> Result<(PoolConnection<sqlx::Postgres>, Duration), AcquireError> {
-        let deadline = crate::context::current()
-            .map(|c| c.deadline)
-            .unwrap_or_else(|| Instant::now() + Duration::from_secs(30));
+    ) -> Result<(PoolConnection<sqlx::Postgres>, Duration), DbError> {
+        let deadline = crate::context::deadline();
         if deadline.saturating_duration_since(Instant::now()) < MIN_STATEMENT_TIMEOUT {
-            return Err(AcquireError::BudgetExhausted);
+            return Err(DbError::BudgetExhausted);
         }
         // The request's own deadline instant, not "now + what is left": a caller that bounds
         // this part by the same deadline (the fan-out does) then sees the pool's timeout fire
         // in the same timer tick, first, and the wait is counted as the acquire timeout it is.
         let conn = self.acquire_until(deadline).await?;
-        let left = crate::context::current()
-            .map(|c| c.remaining())
-            .unwrap_or(Duration::from_secs(30));
+        let left = crate::context::remaining();
         if left < MIN_STATEMENT_TIMEOUT {
-            return Err(AcquireError::BudgetExhausted);
+            return Err(DbError::BudgetExhausted);
         }
         Ok((conn, left))
     }
@@ -349,7 +352,7 @@ impl Db {
 pub(crate) async fn set_statement_timeout(
     conn: &mut PgConnection,
     budget: Duration,
-) -> Result<(), AcquireError> {
+) -> Result<(), DbError> {
     let millis = statement_timeout_ms(budget).to_string();
     sqlx::query("SELECT set_config('statement_timeout', $1, false)")
         .bind(millis)

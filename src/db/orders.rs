@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::{Acquire, FromRow, PgConnection};
 use tracing::Instrument;
 
-use super::{AcquireError, Db, Statement};
+use super::{Db, DbError, Statement};
 
 /// One line of the dashboard's `recent_orders`.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
@@ -71,7 +71,7 @@ fn span(statement: Statement) -> tracing::Span {
 
 impl Db {
     /// The user's five most recent orders.
-    pub async fn recent_orders(&self, user_id: i64) -> Result<Vec<OrderSummary>, AcquireError> {
+    pub async fn recent_orders(&self, user_id: i64) -> Result<Vec<OrderSummary>, DbError> {
         async {
             let (mut conn, budget) = self.acquire_for_request().await?;
             let _t = self.query_timer(Statement::RecentOrders);
@@ -91,14 +91,14 @@ impl Db {
             rows.iter()
                 .map(OrderSummary::from_row)
                 .collect::<Result<Vec<_>, _>>()
-                .map_err(AcquireError::Database)
+                .map_err(DbError::Database)
         }
         .instrument(span(Statement::RecentOrders))
         .await
     }
 
     /// Reads one order with its items.
-    pub async fn get_order(&self, id: i64) -> Result<Option<Order>, AcquireError> {
+    pub async fn get_order(&self, id: i64) -> Result<Option<Order>, DbError> {
         async {
             let (mut conn, budget) = self.acquire_for_request().await?;
             super::set_statement_timeout(&mut conn, budget).await?;
@@ -134,7 +134,7 @@ impl Db {
         request_hash: &[u8],
         order: &NewOrder,
         total_cents: i64,
-    ) -> Result<CreateOutcome, AcquireError> {
+    ) -> Result<CreateOutcome, DbError> {
         async {
             let (mut conn, budget) = self.acquire_for_request().await?;
             super::set_statement_timeout(&mut conn, budget).await?;
@@ -165,7 +165,7 @@ impl Db {
                         body,
                     },
                     (true, _, _) => {
-                        return Err(AcquireError::Database(sqlx::Error::Protocol(
+                        return Err(DbError::Database(sqlx::Error::Protocol(
                             "idempotency key committed without a response".into(),
                         )));
                     }
@@ -203,7 +203,7 @@ impl Db {
                 created_at,
                 items: order.items.clone(),
             })
-            .map_err(|e| AcquireError::Database(sqlx::Error::Encode(Box::new(e))))?;
+            .map_err(|e| DbError::Database(sqlx::Error::Encode(Box::new(e))))?;
             sqlx::query(
                 "UPDATE idempotency_keys SET order_id = $2, response_status = 201, response_body = $3 \
                  WHERE key = $1",

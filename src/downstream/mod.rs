@@ -28,7 +28,9 @@ use tower::retry::budget::{Budget, TpsBudget};
 use tracing::{Instrument, Span};
 
 use crate::{
-    config::{CircuitBreakerSettings, DownstreamSettings, HttpClientSettings, RetrySettings},
+    config::{HttpClientSettings, RetrySettings, Settings},
+    context::remaining,
+    domain::Service,
     telemetry::Family,
 };
 use breaker::Breaker;
@@ -79,26 +81,23 @@ impl Outcome {
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
     #[error("{service} timed out")]
-    Timeout { service: &'static str },
+    Timeout { service: Service },
     #[error("{service} answered {status}")]
-    Status { service: &'static str, status: u16 },
+    Status { service: Service, status: u16 },
     #[error("{service} could not be reached: {source}")]
     Transport {
-        service: &'static str,
+        service: Service,
         #[source]
         source: reqwest::Error,
     },
     #[error("{service} sent an invalid body: {reason}")]
-    InvalidBody {
-        service: &'static str,
-        reason: String,
-    },
+    InvalidBody { service: Service, reason: String },
     #[error("{service} bulkhead full")]
-    Shed { service: &'static str },
+    Shed { service: Service },
     #[error("{service} circuit open")]
-    CircuitOpen { service: &'static str },
+    CircuitOpen { service: Service },
     #[error("no budget left to call {service}")]
-    BudgetExhausted { service: &'static str },
+    BudgetExhausted { service: Service },
 }
 
 impl CallError {
@@ -183,7 +182,8 @@ struct Instruments {
 }
 
 impl Instruments {
-    fn register(service: &'static str) -> Self {
+    fn register(service: Service) -> Self {
+        let service = service.as_str();
         Self {
             in_flight: metrics::gauge!(IN_FLIGHT.name, "downstream" => service),
             retries: metrics::counter!(RETRIES.name, "downstream" => service),
@@ -206,8 +206,8 @@ impl Instruments {
 
 /// A typed client for one downstream service.
 pub struct Downstream {
-    name: &'static str,
-    /// `{base_url}/{name}/`; the user id is appended per call.
+    service: Service,
+    /// `{base_url}/{service}/`; the user id is appended per call.
     prefix: String,
     timeout: Duration,
     hedge_after: Option<Duration>,
@@ -220,24 +220,21 @@ pub struct Downstream {
 }
 
 impl Downstream {
-    pub fn new(
-        name: &'static str,
-        settings: &DownstreamSettings,
-        breaker: &CircuitBreakerSettings,
-        retry: &RetrySettings,
-        client: reqwest::Client,
-    ) -> Self {
-        let base = settings.base_url.as_str().trim_end_matches('/');
+    /// The client for `service`, from its settings and the shared breaker and retry settings.
+    pub fn new(service: Service, settings: &Settings, client: reqwest::Client) -> Self {
+        let (breaker, retry) = (&settings.circuit_breaker, &settings.retry);
+        let own = settings.downstreams.get(service);
+        let base = own.base_url.as_str().trim_end_matches('/');
         Self {
-            name,
-            prefix: format!("{base}/{name}/"),
-            timeout: settings.timeout,
-            hedge_after: settings.hedge_after,
-            bulkhead: Arc::new(Semaphore::new(settings.max_concurrency.get())),
+            service,
+            prefix: format!("{base}/{service}/"),
+            timeout: own.timeout,
+            hedge_after: own.hedge_after,
+            bulkhead: Arc::new(Semaphore::new(own.max_concurrency.get())),
             breaker: Breaker::new(
-                name,
+                service.as_str(),
                 breaker.clone(),
-                metrics::gauge!(CIRCUIT_STATE.name, "downstream" => name),
+                metrics::gauge!(CIRCUIT_STATE.name, "downstream" => service.as_str()),
             ),
             retry: retry.clone(),
             retry_budget: TpsBudget::new(
@@ -246,12 +243,12 @@ impl Downstream {
                 retry.budget_ratio.get() as f32,
             ),
             client,
-            metrics: Instruments::register(name),
+            metrics: Instruments::register(service),
         }
     }
 
-    pub fn name(&self) -> &'static str {
-        self.name
+    pub fn service(&self) -> Service {
+        self.service
     }
 
     pub fn breaker_state(&self) -> breaker::State {
@@ -268,11 +265,11 @@ impl Downstream {
     pub async fn fetch_user_part(&self, user_id: i64) -> Result<Box<RawValue>, CallError> {
         let span = tracing::info_span!(
             "downstream.call",
-            otel.name = %format_args!("GET /{}/{{user_id}}", self.name),
+            otel.name = %format_args!("GET /{}/{{user_id}}", self.service),
             otel.kind = "client",
             http.request.method = "GET",
-            server.address = self.name,
-            downstream = self.name,
+            server.address = self.service.as_str(),
+            downstream = self.service.as_str(),
             http.response.status_code = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
@@ -288,7 +285,7 @@ impl Downstream {
     }
 
     async fn call(&self, user_id: i64, span: &Span) -> Result<Box<RawValue>, CallError> {
-        let service = self.name;
+        let service = self.service;
         // A ticket rather than a bare admission: if this future is dropped mid-call, the
         // ticket still gives a half-open probe slot back (see `breaker::Ticket`).
         let Some(ticket) = self.breaker.ticket() else {
@@ -318,7 +315,7 @@ impl Downstream {
                     }
                     attempt += 1;
                     self.metrics.retries.increment(1);
-                    tracing::debug!(downstream = service, error = %e, attempt, "retrying");
+                    tracing::debug!(downstream = %service, error = %e, attempt, "retrying");
                     tokio::time::sleep(backoff).await;
                 }
                 other => break other,
@@ -372,7 +369,7 @@ impl Downstream {
     /// One HTTP exchange bounded by min(call timeout, remaining budget); the status goes on
     /// `span`, the call's (a no-op when call spans are not exported).
     async fn attempt(&self, url: &str, span: &Span) -> Result<Box<RawValue>, CallError> {
-        let service = self.name;
+        let service = self.service;
         let budget = remaining();
         if budget < MIN_CALL_BUDGET {
             return Err(CallError::BudgetExhausted { service });
@@ -426,10 +423,7 @@ impl Downstream {
     }
 }
 
-async fn read_body(
-    mut response: reqwest::Response,
-    service: &'static str,
-) -> Result<Bytes, CallError> {
+async fn read_body(mut response: reqwest::Response, service: Service) -> Result<Bytes, CallError> {
     if response
         .content_length()
         .is_some_and(|n| n as usize > MAX_BODY_BYTES)
@@ -454,12 +448,6 @@ async fn read_body(
         buf.extend_from_slice(&chunk);
     }
     Ok(buf.freeze())
-}
-
-fn remaining() -> Duration {
-    crate::context::current()
-        .map(|c| c.remaining())
-        .unwrap_or(Duration::from_secs(30))
 }
 
 /// Exponential backoff with full jitter: uniform in [0, base × 2^attempt].
@@ -492,44 +480,26 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// The five services, built once at start-up.
+/// The five clients, built once at start-up.
 pub struct Downstreams {
-    pub users: Downstream,
-    pub carts: Downstream,
-    pub recommendations: Downstream,
-    pub promotions: Downstream,
-    pub notifications: Downstream,
+    /// One per service, indexed by it.
+    clients: [Downstream; 5],
 }
 
 impl Downstreams {
-    pub fn new(settings: &crate::config::Settings, client: reqwest::Client) -> Self {
-        let d = &settings.downstreams;
-        let make = |name, s| {
-            Downstream::new(
-                name,
-                s,
-                &settings.circuit_breaker,
-                &settings.retry,
-                client.clone(),
-            )
-        };
+    pub fn new(settings: &Settings, client: reqwest::Client) -> Self {
         Self {
-            users: make("users", &d.users),
-            carts: make("carts", &d.carts),
-            recommendations: make("recommendations", &d.recommendations),
-            promotions: make("promotions", &d.promotions),
-            notifications: make("notifications", &d.notifications),
+            clients: Service::ALL.map(|service| Downstream::new(service, settings, client.clone())),
         }
     }
 
+    /// The client of one service.
+    pub fn get(&self, service: Service) -> &Downstream {
+        &self.clients[service as usize]
+    }
+
     pub fn all(&self) -> [&Downstream; 5] {
-        [
-            &self.users,
-            &self.carts,
-            &self.recommendations,
-            &self.promotions,
-            &self.notifications,
-        ]
+        self.clients.each_ref()
     }
 }
 

@@ -19,7 +19,13 @@ pub async fn get_dashboard(
     if let Some(ctx) = crate::context::current() {
         ctx.set_user_id(user_id);
     }
-    let (dashboard, timings) = fanout::dashboard(&state, user_id).await?;
+    let (dashboard, timings) = fanout::dashboard(
+        &state.downstreams,
+        &state.db,
+        &state.fanout_metrics,
+        user_id,
+    )
+    .await?;
     let mut response = Json(dashboard).into_response();
     if let Ok(v) = HeaderValue::from_str(&timings.header_value()) {
         response.headers_mut().insert(SERVER_TIMING.clone(), v);

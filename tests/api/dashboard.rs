@@ -4,16 +4,9 @@
 use std::time::Duration;
 
 use serde_json::Value;
-use tributary::sim::Mode;
+use tributary::{domain::Service, sim::Mode};
 
-use crate::helpers::{eventually, problem, spawn_app, spawn_app_with};
-
-const OPTIONAL: [(&str, &str); 4] = [
-    ("carts", "cart"),
-    ("recommendations", "recommendations"),
-    ("promotions", "promotions"),
-    ("notifications", "notifications"),
-];
+use crate::helpers::{eventually, optional, problem, spawn_app, spawn_app_with};
 
 #[tokio::test]
 async fn dashboard_merges_all_six_parts() {
@@ -65,7 +58,7 @@ async fn dashboard_merges_all_six_parts() {
 async fn all_six_parts_run_concurrently_not_one_after_another() {
     // Each downstream takes 300 ms; sequential calls would need 1.5 s, beyond the 1 s deadline.
     let app = spawn_app_with(|s| s.server.request_deadline = Duration::from_secs(1)).await;
-    for service in tributary::sim::SERVICES {
+    for service in Service::ALL {
         app.set_service(service, |b| b.latency = Duration::from_millis(300));
     }
     let resp = app.get("/api/v1/dashboard/1").await;
@@ -77,7 +70,7 @@ async fn all_six_parts_run_concurrently_not_one_after_another() {
 #[tokio::test]
 async fn each_optional_part_that_fails_becomes_null_and_degraded() {
     let app = spawn_app().await;
-    for (service, field) in OPTIONAL {
+    for (service, field) in optional() {
         app.set_service(service, |b| b.error_rate = 1.0);
         let body: Value = app.get("/api/v1/dashboard/1").await.json().await.unwrap();
         assert!(body[field].is_null(), "{field} should be null: {body}");
@@ -100,7 +93,7 @@ async fn each_optional_part_that_times_out_becomes_null_and_degraded() {
         }
     })
     .await;
-    for (service, field) in OPTIONAL {
+    for (service, field) in optional() {
         app.hang(service);
         let resp = app.get("/api/v1/dashboard/1").await;
         assert_eq!(resp.status(), 200);
@@ -119,7 +112,7 @@ async fn each_optional_part_that_times_out_becomes_null_and_degraded() {
 #[tokio::test]
 async fn invalid_json_from_an_optional_part_degrades_it() {
     let app = spawn_app().await;
-    app.set_service("promotions", |b| b.mode = Mode::InvalidJson);
+    app.set_service(Service::Promotions, |b| b.mode = Mode::InvalidJson);
     let body: Value = app.get("/api/v1/dashboard/1").await.json().await.unwrap();
     assert!(body["promotions"].is_null());
     assert_eq!(body["degraded"], serde_json::json!(["promotions"]));
@@ -142,9 +135,9 @@ async fn recent_orders_degrade_when_the_query_fails() {
 /// Waits until every optional service has seen `n` calls abandoned by the gateway.
 async fn siblings_cancelled(app: &crate::helpers::TestApp, n: u64) -> bool {
     eventually(Duration::from_secs(5), || {
-        OPTIONAL
+        optional()
             .iter()
-            .all(|(s, _)| app.sim.sim.stats(s).cancelled >= n)
+            .all(|(s, _)| app.sim.sim.stats(*s).cancelled >= n)
     })
     .await
 }
@@ -152,11 +145,11 @@ async fn siblings_cancelled(app: &crate::helpers::TestApp, n: u64) -> bool {
 #[tokio::test]
 async fn a_failing_required_part_is_a_502_and_cancels_its_siblings() {
     let app = spawn_app().await;
-    app.set_service("users", |b| {
+    app.set_service(Service::Users, |b| {
         b.error_rate = 1.0;
         b.latency = Duration::from_millis(20);
     });
-    for (service, _) in OPTIONAL {
+    for (service, _) in optional() {
         app.set_service(service, |b| b.latency = Duration::from_secs(5));
     }
     let (status, body) = problem(app.get("/api/v1/dashboard/1").await).await;
@@ -166,7 +159,7 @@ async fn a_failing_required_part_is_a_502_and_cancels_its_siblings() {
         siblings_cancelled(&app, 1).await,
         "optional calls were not cancelled"
     );
-    for (service, _) in OPTIONAL {
+    for (service, _) in optional() {
         assert_eq!(
             app.sim.sim.stats(service).completed,
             0,
@@ -178,8 +171,8 @@ async fn a_failing_required_part_is_a_502_and_cancels_its_siblings() {
 #[tokio::test]
 async fn a_required_part_that_times_out_is_a_504_and_cancels_its_siblings() {
     let app = spawn_app_with(|s| s.downstreams.users.timeout = Duration::from_millis(100)).await;
-    app.hang("users");
-    for (service, _) in OPTIONAL {
+    app.hang(Service::Users);
+    for (service, _) in optional() {
         app.set_service(service, |b| b.latency = Duration::from_secs(5));
     }
     let (status, body) = problem(app.get("/api/v1/dashboard/1").await).await;
@@ -191,7 +184,7 @@ async fn a_required_part_that_times_out_is_a_504_and_cancels_its_siblings() {
 #[tokio::test]
 async fn a_missing_user_is_a_404() {
     let app = spawn_app().await;
-    app.set_service("users", |b| b.mode = Mode::NotFound);
+    app.set_service(Service::Users, |b| b.mode = Mode::NotFound);
     let (status, _) = problem(app.get("/api/v1/dashboard/1").await).await;
     assert_eq!(status, 404);
 }
@@ -199,7 +192,7 @@ async fn a_missing_user_is_a_404() {
 #[tokio::test]
 async fn a_client_that_goes_away_cancels_every_downstream_call() {
     let app = spawn_app().await;
-    for service in tributary::sim::SERVICES {
+    for service in Service::ALL {
         app.set_service(service, |b| b.latency = Duration::from_secs(5));
     }
     let impatient = reqwest::Client::builder()
@@ -209,9 +202,9 @@ async fn a_client_that_goes_away_cancels_every_downstream_call() {
     let result = impatient.get(app.url("/api/v1/dashboard/1")).send().await;
     assert!(result.is_err(), "the client gave up");
     let all_cancelled = eventually(Duration::from_secs(5), || {
-        tributary::sim::SERVICES
+        Service::ALL
             .iter()
-            .all(|s| app.sim.sim.stats(s).cancelled == 1 && app.sim.sim.stats(s).in_flight == 0)
+            .all(|s| app.sim.sim.stats(*s).cancelled == 1 && app.sim.sim.stats(*s).in_flight == 0)
     })
     .await;
     assert!(all_cancelled, "downstream calls outlived their request");
@@ -231,7 +224,7 @@ async fn a_client_that_goes_away_cancels_every_downstream_call() {
             d.available_permits(),
             1024,
             "{} bulkhead permit leaked",
-            d.name()
+            d.service()
         );
     }
 }
@@ -243,7 +236,7 @@ async fn the_request_deadline_bounds_every_call_and_is_sent_downstream() {
         s.downstreams.carts.timeout = Duration::from_secs(10);
     })
     .await;
-    app.hang("carts");
+    app.hang(Service::Carts);
     let resp = app.get("/api/v1/dashboard/1").await;
     assert_eq!(resp.status(), 200);
     let body: Value = resp.json().await.unwrap();
@@ -275,7 +268,7 @@ async fn bad_ids_are_400_problems_that_name_the_field() {
         assert_eq!(body["field"], "user_id");
     }
     assert_eq!(
-        app.sim.sim.stats("users").requests,
+        app.sim.sim.stats(Service::Users).requests,
         0,
         "bad ids never reach a downstream"
     );

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use serde_json::Value;
+use tributary::domain::Service;
 
 use crate::helpers::{fresh_database, spawn_app, spawn_app_with};
 
@@ -66,7 +67,7 @@ async fn readyz_is_503_until_migrations_are_applied() {
 #[tokio::test]
 async fn shutdown_lets_in_flight_requests_finish_and_stops_accepting() {
     let mut app = spawn_app().await;
-    for service in tributary::sim::SERVICES {
+    for service in Service::ALL {
         app.set_service(service, |b| b.latency = Duration::from_millis(400));
     }
     let in_flight = tokio::spawn(app.client.get(app.url("/api/v1/dashboard/1")).send());

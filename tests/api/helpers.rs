@@ -18,6 +18,7 @@ use sqlx::{Connection, Executor, PgConnection, PgPool};
 use tokio::{sync::oneshot, task::JoinHandle};
 use tributary::{
     Application, Settings,
+    domain::{Part, Service},
     http::AppState,
     sim::{self, Behaviour, Mode, SimHandle},
 };
@@ -103,6 +104,19 @@ pub fn test_settings(sim_url: &str, database_url: &str) -> Settings {
     }
     s.telemetry.long_poll_threshold = Duration::from_millis(50);
     s
+}
+
+/// The optional parts that come from a service, with that service: the ones a test can break
+/// through the simulator.
+pub fn optional() -> [(Service, &'static str); 4] {
+    let mut parts = Part::OPTIONAL
+        .into_iter()
+        .filter_map(|p| Some((p.service()?, p.field())));
+    std::array::from_fn(|_| {
+        parts
+            .next()
+            .expect("four optional parts come from a service")
+    })
 }
 
 /// `n` as a limit (settings hold limits and sizes as non-zero numbers).
@@ -205,13 +219,13 @@ impl TestApp {
     }
 
     /// Changes one simulated service's behaviour.
-    pub fn set_service(&self, service: &str, change: impl FnOnce(&mut Behaviour)) {
-        let mut b = self.sim.sim.behaviour(service).expect("known service");
+    pub fn set_service(&self, service: Service, change: impl FnOnce(&mut Behaviour)) {
+        let mut b = self.sim.sim.behaviour(service);
         change(&mut b);
         self.sim.sim.set(service, b);
     }
 
-    pub fn hang(&self, service: &str) {
+    pub fn hang(&self, service: Service) {
         self.set_service(service, |b| b.mode = Mode::Hang);
     }
 

@@ -6,7 +6,7 @@ use std::{
 };
 
 use axum::{Router, routing::get};
-use tributary::{config::Secret, sim::Behaviour, startup::METRIC_FAMILIES};
+use tributary::{config::Secret, domain::Service, sim::Behaviour, startup::METRIC_FAMILIES};
 
 use crate::helpers::{
     eventually, log_lines, metric_value, nz, spawn_app, spawn_app_full, spawn_app_with,
@@ -118,7 +118,7 @@ async fn the_exposition_holds_exactly_the_catalogued_families_each_described() {
         assert_eq!(app.get("/api/v1/dashboard/1").await.status(), 200);
     }
     assert_eq!(app.get("/api/v1/dashboard/2").await.status(), 200);
-    app.set_service("carts", |b| b.error_rate = 1.0);
+    app.set_service(Service::Carts, |b| b.error_rate = 1.0);
     assert_eq!(app.get("/api/v1/dashboard/2").await.status(), 200);
     let catalogue: BTreeMap<String, String> = METRIC_FAMILIES
         .iter()
@@ -259,7 +259,7 @@ async fn a_request_without_trace_context_gets_fresh_ids_in_its_line() {
 #[tokio::test]
 async fn a_request_the_client_abandons_is_recorded_as_499() {
     let app = spawn_app().await;
-    for service in tributary::sim::SERVICES {
+    for service in Service::ALL {
         app.set_service(service, |b| b.latency = Duration::from_secs(5));
     }
     let abandoned = |text: &str| {
@@ -333,7 +333,7 @@ async fn only_unexpected_errors_are_logged_at_error_and_each_error_once() {
     };
 
     // The one dashboard slot is held by a slow request; the next one is shed.
-    app.set_service("carts", |b| b.latency = Duration::from_secs(1));
+    app.set_service(Service::Carts, |b| b.latency = Duration::from_secs(1));
     let holder = tokio::spawn(get("/api/v1/dashboard/1", "holder-1"));
     let limiter = app
         .state
@@ -348,8 +348,8 @@ async fn only_unexpected_errors_are_logged_at_error_and_each_error_once() {
     );
     assert_eq!(holder.await.unwrap().unwrap().status(), 200);
     // A required part that times out: 504.
-    app.set_service("carts", |b| b.latency = Duration::from_millis(5));
-    app.hang("users");
+    app.set_service(Service::Carts, |b| b.latency = Duration::from_millis(5));
+    app.hang(Service::Users);
     assert_eq!(
         get("/api/v1/dashboard/1", "timeout-1")
             .await

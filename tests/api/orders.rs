@@ -1,9 +1,11 @@
 //! Idempotent order creation and read-back.
 
+use std::time::Duration;
+
 use futures::future::join_all;
 use serde_json::{Value, json};
 
-use crate::helpers::{TestApp, problem, spawn_app};
+use crate::helpers::{TestApp, problem, spawn_app, spawn_app_with};
 
 fn order(user_id: i64) -> Value {
     json!({"user_id": user_id, "items": [
@@ -162,4 +164,24 @@ async fn oversized_bodies_are_413_and_unknown_orders_404() {
     assert_eq!(status, 404);
     let (status, body) = problem(app.get("/api/v1/orders/nope").await).await;
     assert_eq!((status, body["field"].as_str()), (400, Some("id")));
+}
+
+#[tokio::test]
+async fn an_order_whose_statement_outlives_the_deadline_is_a_504_not_a_500() {
+    let app = spawn_app_with(|s| s.server.request_deadline = Duration::from_millis(500)).await;
+    // Another client holds the table: the gateway's statement waits until the server cancels
+    // it at its statement_timeout (the request's budget).
+    let mut locker = app.db.begin().await.unwrap();
+    sqlx::query("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+
+    let (status, body) = problem(post(&app, Some("k-slow"), &order(5)).await).await;
+    locker.rollback().await.unwrap();
+
+    assert_eq!(status, 504, "{body}");
+    assert_eq!(body["type"], "/problems/gateway-timeout");
+    assert_eq!(orders_of(&app, 5).await, 0, "nothing was written");
+    assert_eq!(post(&app, Some("k-slow"), &order(5)).await.status(), 201);
 }

@@ -18,7 +18,7 @@ use tokio::{
     net::{TcpListener, TcpStream},
     process::{Child, Command},
 };
-use tributary::{Settings, config::RateLimitKey};
+use tributary::{Settings, config::RateLimitKey, domain::Service};
 
 use crate::helpers::{
     TestApp, eventually, log_lines, metric_value, nz, nz32, problem, spawn_app_with,
@@ -272,7 +272,7 @@ async fn over_its_rate_a_client_gets_429_while_a_full_gateway_gives_others_503()
     spend_burst(&app, &too_fast, 2).await;
 
     // Fill the only admission slot with a request stuck on a hanging required downstream.
-    app.hang("users");
+    app.hang(Service::Users);
     let holder = {
         let client = app.client.clone();
         let url = app.url(DASHBOARD);

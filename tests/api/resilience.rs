@@ -27,21 +27,16 @@ use tokio::{
 };
 use tributary::{
     config::{Ratio, RouteGroup},
-    sim::{Mode, SERVICES},
+    domain::Service,
+    sim::Mode,
 };
 
 use crate::{
     chaos::ChaosProxy,
-    helpers::{TestApp, eventually, metric_value, nz, nz32, problem, server_url, spawn_app_with},
+    helpers::{
+        TestApp, eventually, metric_value, nz, nz32, optional, problem, server_url, spawn_app_with,
+    },
 };
-
-/// Optional services and the dashboard field each one fills.
-const OPTIONAL: [(&str, &str); 4] = [
-    ("carts", "cart"),
-    ("recommendations", "recommendations"),
-    ("promotions", "promotions"),
-    ("notifications", "notifications"),
-];
 
 /// Serialises this module's tests: each one gets the machine (two cores, shared) to itself,
 /// and the process-wide gauges it reads are moved only by its own gateway. A tokio mutex, so
@@ -148,16 +143,16 @@ async fn a_simulator_ten_times_slower_than_the_timeouts_degrades_optional_parts_
         every_downstream(s, |d| d.timeout = timeout);
     })
     .await;
-    for (service, _) in OPTIONAL {
+    for (service, _) in optional() {
         app.set_service(service, |b| b.latency = timeout * 10);
     }
     let mut timeouts_before = Vec::new();
-    for (service, _) in OPTIONAL {
+    for (service, _) in optional() {
         timeouts_before.push(
             metric(
                 &app,
                 "tributary_fanout_degraded_total",
-                &[("part", service), ("reason", "timeout")],
+                &[("part", service.as_str()), ("reason", "timeout")],
             )
             .await,
         );
@@ -171,14 +166,14 @@ async fn a_simulator_ten_times_slower_than_the_timeouts_degrades_optional_parts_
         degraded(&body),
         ["cart", "recommendations", "promotions", "notifications"]
     );
-    for (_, field) in OPTIONAL {
+    for (_, field) in optional() {
         assert!(body[field].is_null(), "{field} should be null: {body}");
     }
-    for ((service, _), before) in OPTIONAL.iter().zip(timeouts_before) {
+    for ((service, _), before) in optional().iter().zip(timeouts_before) {
         let after = metric(
             &app,
             "tributary_fanout_degraded_total",
-            &[("part", service), ("reason", "timeout")],
+            &[("part", service.as_str()), ("reason", "timeout")],
         )
         .await;
         assert!(after > before, "{service} not degraded as a timeout");
@@ -186,23 +181,25 @@ async fn a_simulator_ten_times_slower_than_the_timeouts_degrades_optional_parts_
     // The gateway did not wait for the slow answers: every slow call was abandoned, none ran
     // to completion.
     assert!(
-        eventually(Duration::from_secs(5), || OPTIONAL.iter().all(|(s, _)| {
-            let st = app.sim.sim.stats(s);
-            st.cancelled == 1 && st.in_flight == 0 && st.completed == 0
-        }))
+        eventually(Duration::from_secs(5), || optional().iter().all(
+            |(s, _)| {
+                let st = app.sim.sim.stats(*s);
+                st.cancelled == 1 && st.in_flight == 0 && st.completed == 0
+            }
+        ))
         .await,
         "slow calls outlived their timeout"
     );
 
     // Now the required part is ten times slower too: a 504, and again nothing left running.
-    app.set_service("users", |b| b.latency = timeout * 10);
-    let users_before = app.sim.sim.stats("users");
+    app.set_service(Service::Users, |b| b.latency = timeout * 10);
+    let users_before = app.sim.sim.stats(Service::Users);
     let (status, body) = problem(app.get("/api/v1/dashboard/1").await).await;
     assert_eq!(status, 504);
     assert_eq!(body["type"], "/problems/gateway-timeout");
     assert!(
         eventually(Duration::from_secs(5), || {
-            let st = app.sim.sim.stats("users");
+            let st = app.sim.sim.stats(Service::Users);
             st.cancelled == users_before.cancelled + 1
                 && st.completed == users_before.completed
                 && st.in_flight == 0
@@ -211,10 +208,10 @@ async fn a_simulator_ten_times_slower_than_the_timeouts_degrades_optional_parts_
         "the required call outlived its timeout"
     );
     assert!(
-        eventually(Duration::from_secs(5), || SERVICES.iter().all(|s| app
+        eventually(Duration::from_secs(5), || Service::ALL.iter().all(|s| app
             .sim
             .sim
-            .stats(s)
+            .stats(*s)
             .in_flight
             == 0))
         .await
@@ -230,7 +227,7 @@ async fn a_downstream_hanging_forever_is_null_and_degraded_and_its_in_flight_cou
         s.downstreams.recommendations.timeout = Duration::from_millis(200);
     })
     .await;
-    app.hang("recommendations");
+    app.hang(Service::Recommendations);
 
     let responses = join_all((1..=5).map(|user| dashboard(&app, user))).await;
 
@@ -243,10 +240,10 @@ async fn a_downstream_hanging_forever_is_null_and_degraded_and_its_in_flight_cou
         }
         assert!(body["recent_orders"].is_array(), "{body}");
     }
-    assert_eq!(app.sim.sim.stats("recommendations").requests, 5);
+    assert_eq!(app.sim.sim.stats(Service::Recommendations).requests, 5);
     assert!(
         eventually(Duration::from_secs(5), || {
-            app.sim.sim.stats("recommendations").in_flight == 0
+            app.sim.sim.stats(Service::Recommendations).in_flight == 0
                 && app
                     .state
                     .downstreams
@@ -256,11 +253,11 @@ async fn a_downstream_hanging_forever_is_null_and_degraded_and_its_in_flight_cou
         })
         .await,
         "hanging calls or their bulkhead permits outlived their requests: {:?} {:?}",
-        app.sim.sim.stats("recommendations"),
+        app.sim.sim.stats(Service::Recommendations),
         app.state
             .downstreams
             .all()
-            .map(|d| (d.name(), d.available_permits()))
+            .map(|d| (d.service(), d.available_permits()))
     );
     assert!(
         until(Duration::from_secs(10), || async {
@@ -292,8 +289,8 @@ async fn failing_and_resetting_downstreams_open_their_circuits_and_half_open_pro
         s.retry.budget_min_per_sec = 1000;
     })
     .await;
-    app.set_service("carts", |b| b.error_rate = 1.0);
-    app.set_service("promotions", |b| b.mode = Mode::Reset);
+    app.set_service(Service::Carts, |b| b.error_rate = 1.0);
+    app.set_service(Service::Promotions, |b| b.mode = Mode::Reset);
     let retries_before = metric(
         &app,
         "tributary_downstream_retries_total",
@@ -307,12 +304,12 @@ async fn failing_and_resetting_downstreams_open_their_circuits_and_half_open_pro
         assert_eq!(status, 200, "{body}");
         assert_eq!(degraded(&body), ["cart", "promotions"]);
     }
-    for name in ["carts", "promotions"] {
-        let d = downstream(&app, name);
+    let broken = [Service::Carts, Service::Promotions];
+    for service in broken {
         assert_eq!(
-            d.breaker_state(),
+            app.state.downstreams.get(service).breaker_state(),
             tributary::downstream::breaker::State::Open,
-            "{name}"
+            "{service}"
         );
     }
     let retries_after = metric(
@@ -329,8 +326,8 @@ async fn failing_and_resetting_downstreams_open_their_circuits_and_half_open_pro
     // Open: the parts degrade without the simulator hearing about it. A burst fired at once
     // fits in one open period; at most one half-open round (probes plus their retries) may
     // slip through on a slow machine.
-    let seen = |s: &str| app.sim.sim.stats(s).requests;
-    let (carts_before, promotions_before) = (seen("carts"), seen("promotions"));
+    let seen = |s: Service| app.sim.sim.stats(s).requests;
+    let (carts_before, promotions_before) = (seen(Service::Carts), seen(Service::Promotions));
     let open_before = metric(
         &app,
         "tributary_downstream_requests_total",
@@ -344,11 +341,11 @@ async fn failing_and_resetting_downstreams_open_their_circuits_and_half_open_pro
     }
     let slipped = 2 * 2;
     assert!(
-        seen("carts") - carts_before <= slipped,
+        seen(Service::Carts) - carts_before <= slipped,
         "carts still called"
     );
     assert!(
-        seen("promotions") - promotions_before <= slipped,
+        seen(Service::Promotions) - promotions_before <= slipped,
         "promotions still called"
     );
     let open_after = metric(
@@ -368,11 +365,11 @@ async fn failing_and_resetting_downstreams_open_their_circuits_and_half_open_pro
         until(Duration::from_secs(5), || async {
             let _ = dashboard(&app, 1).await;
             let text = app.metrics().await;
-            ["carts", "promotions"].iter().all(|s| {
+            broken.iter().all(|s| {
                 metric_value(
                     &text,
                     "tributary_downstream_circuit_state",
-                    &[("downstream", s)],
+                    &[("downstream", s.as_str())],
                 ) == Some(2.0)
             })
         })
@@ -381,14 +378,15 @@ async fn failing_and_resetting_downstreams_open_their_circuits_and_half_open_pro
     );
 
     // Healthy again: after open_for, half-open probes succeed and close the circuits.
-    app.set_service("carts", |b| b.error_rate = 0.0);
-    app.set_service("promotions", |b| b.mode = Mode::Normal);
+    app.set_service(Service::Carts, |b| b.error_rate = 0.0);
+    app.set_service(Service::Promotions, |b| b.mode = Mode::Normal);
     let closed = until(Duration::from_secs(10), || async {
         let (status, body) = dashboard(&app, 1).await;
         status == 200
             && degraded(&body).is_empty()
-            && ["carts", "promotions"].iter().all(|s| {
-                downstream(&app, s).breaker_state() == tributary::downstream::breaker::State::Closed
+            && broken.iter().all(|s| {
+                app.state.downstreams.get(*s).breaker_state()
+                    == tributary::downstream::breaker::State::Closed
             })
     })
     .await;
@@ -397,12 +395,12 @@ async fn failing_and_resetting_downstreams_open_their_circuits_and_half_open_pro
         "circuits did not close after the services recovered"
     );
     let text = app.metrics().await;
-    for s in ["carts", "promotions"] {
+    for s in broken {
         assert_eq!(
             metric_value(
                 &text,
                 "tributary_downstream_circuit_state",
-                &[("downstream", s)]
+                &[("downstream", s.as_str())]
             ),
             Some(0.0)
         );
@@ -422,12 +420,12 @@ async fn a_circuit_whose_half_open_probes_are_abandoned_still_closes() {
         s.circuit_breaker.half_open_probes = 2;
     })
     .await;
-    app.set_service("carts", |b| b.error_rate = 1.0);
+    app.set_service(Service::Carts, |b| b.error_rate = 1.0);
     for _ in 0..4 {
         let (_, body) = dashboard(&app, 1).await;
         assert_eq!(degraded(&body), ["cart"]);
     }
-    let carts = downstream(&app, "carts");
+    let carts = app.state.downstreams.get(Service::Carts);
     assert_eq!(
         carts.breaker_state(),
         tributary::downstream::breaker::State::Open
@@ -435,12 +433,12 @@ async fn a_circuit_whose_half_open_probes_are_abandoned_still_closes() {
 
     // Once open_for has passed, two requests become the half-open probes: carts is healthy
     // now but slow, and both clients hang up while their probes are still waiting for it.
-    app.set_service("carts", |b| {
+    app.set_service(Service::Carts, |b| {
         b.error_rate = 0.0;
         b.latency = Duration::from_secs(5);
     });
     tokio::time::sleep(open_for + Duration::from_millis(100)).await;
-    let probes_before = app.sim.sim.stats("carts").requests;
+    let probes_before = app.sim.sim.stats(Service::Carts).requests;
     let mut clients = Vec::new();
     for user in 1..=2 {
         let mut stream = TcpStream::connect(app.addr).await.unwrap();
@@ -449,7 +447,7 @@ async fn a_circuit_whose_half_open_probes_are_abandoned_still_closes() {
         clients.push(stream);
     }
     let probing = eventually(Duration::from_secs(5), || {
-        app.sim.sim.stats("carts").requests == probes_before + 2
+        app.sim.sim.stats(Service::Carts).requests == probes_before + 2
     })
     .await;
     drop(clients);
@@ -458,7 +456,7 @@ async fn a_circuit_whose_half_open_probes_are_abandoned_still_closes() {
         eventually(Duration::from_secs(5), || app
             .sim
             .sim
-            .stats("carts")
+            .stats(Service::Carts)
             .in_flight
             == 0)
         .await,
@@ -467,7 +465,7 @@ async fn a_circuit_whose_half_open_probes_are_abandoned_still_closes() {
 
     // carts is fast again: the circuit must be able to probe it and close, not stay wedged
     // in half-open with slots held by probes that will never report.
-    app.set_service("carts", |b| b.latency = Duration::from_millis(5));
+    app.set_service(Service::Carts, |b| b.latency = Duration::from_millis(5));
     let closed = until(Duration::from_secs(5), || async {
         let (_, body) = dashboard(&app, 1).await;
         degraded(&body).is_empty()
@@ -479,15 +477,6 @@ async fn a_circuit_whose_half_open_probes_are_abandoned_still_closes() {
         "circuit stuck in {:?} after its probes were abandoned",
         carts.breaker_state()
     );
-}
-
-fn downstream<'a>(app: &'a TestApp, name: &str) -> &'a tributary::downstream::Downstream {
-    app.state
-        .downstreams
-        .all()
-        .into_iter()
-        .find(|d| d.name() == name)
-        .expect("known downstream")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -504,7 +493,7 @@ async fn retries_of_a_failing_required_part_stop_at_the_deadline() {
         s.circuit_breaker.enabled = false;
     })
     .await;
-    app.set_service("users", |b| b.mode = Mode::Reset);
+    app.set_service(Service::Users, |b| b.mode = Mode::Reset);
     let retries_before = metric(
         &app,
         "tributary_downstream_retries_total",
@@ -522,7 +511,7 @@ async fn retries_of_a_failing_required_part_stop_at_the_deadline() {
         .sim
         .journal()
         .iter()
-        .filter(|s| s.service == "users")
+        .filter(|s| s.service == Service::Users)
         .map(|s| s.budget_ms.expect("budget header"))
         .collect();
     assert!(budgets.len() >= 2, "the reset was retried: {budgets:?}");
@@ -982,7 +971,7 @@ async fn a_burst_of_ten_times_the_admission_limit_sheds_the_excess_with_503_and_
         every_downstream(s, |d| d.timeout = Duration::from_secs(1));
     })
     .await;
-    for service in SERVICES {
+    for service in Service::ALL {
         app.set_service(service, |b| b.latency = Duration::from_millis(200));
     }
     let limiter = app
@@ -1075,7 +1064,7 @@ async fn memory_stays_bounded_across_repeated_bursts() {
         every_downstream(s, |d| d.timeout = Duration::from_secs(4));
     })
     .await;
-    for service in SERVICES {
+    for service in Service::ALL {
         app.set_service(service, |b| {
             b.latency = Duration::from_millis(20);
             b.body_bytes = BODY as usize;
@@ -1139,7 +1128,7 @@ async fn a_storm_of_client_disconnects_leaks_no_permits_tasks_or_downstream_call
         });
     })
     .await;
-    for service in SERVICES {
+    for service in Service::ALL {
         app.set_service(service, |b| b.latency = Duration::from_secs(10));
     }
     let admission = app.state.admission.as_ref().unwrap();
@@ -1182,7 +1171,9 @@ async fn a_storm_of_client_disconnects_leaks_no_permits_tasks_or_downstream_call
                 .all()
                 .iter()
                 .all(|d| d.available_permits() == 16)
-            && SERVICES.iter().all(|s| app.sim.sim.stats(s).in_flight == 0)
+            && Service::ALL
+                .iter()
+                .all(|s| app.sim.sim.stats(*s).in_flight == 0)
     })
     .await;
     assert!(
@@ -1193,11 +1184,11 @@ async fn a_storm_of_client_disconnects_leaks_no_permits_tasks_or_downstream_call
         app.state
             .downstreams
             .all()
-            .map(|d| (d.name(), d.available_permits())),
-        SERVICES.map(|s| (s, app.sim.sim.stats(s).in_flight))
+            .map(|d| (d.service(), d.available_permits())),
+        Service::ALL.map(|s| (s, app.sim.sim.stats(s).in_flight))
     );
     // The abandoned calls were cancelled, not left to finish.
-    for service in SERVICES {
+    for service in Service::ALL {
         let stats = app.sim.sim.stats(service);
         assert!(
             stats.cancelled > 0 && stats.completed == 0,
@@ -1259,7 +1250,7 @@ async fn readiness_turns_off_under_heavy_shedding_and_comes_back_only_after_the_
         s.admission.ready_after_secs = 2;
     })
     .await;
-    for service in SERVICES {
+    for service in Service::ALL {
         app.set_service(service, |b| b.latency = Duration::from_millis(100));
     }
     assert_eq!(readiness(&app).await.0, 200);
@@ -1309,7 +1300,7 @@ async fn the_adaptive_limit_goes_down_when_downstream_latency_rises_under_load()
         every_downstream(s, |d| d.timeout = Duration::from_secs(2));
     })
     .await;
-    for service in SERVICES {
+    for service in Service::ALL {
         app.set_service(service, |b| b.latency = Duration::from_millis(50));
     }
     let limiter = app
@@ -1323,7 +1314,7 @@ async fn the_adaptive_limit_goes_down_when_downstream_latency_rises_under_load()
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let before = limiter.limit();
 
-    for service in SERVICES {
+    for service in Service::ALL {
         app.set_service(service, |b| b.latency = Duration::from_millis(800));
     }
     let lowered = eventually(Duration::from_secs(8), || limiter.limit() < before).await;
