@@ -46,6 +46,7 @@ fn attr<'a>(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dashboard_request_exports_one_server_span_with_six_children_in_the_callers_trace() {
+    // Arrange: an OTLP receiver on port 0, the gateway's subscriber exporting to it.
     let spans: Received = Arc::default();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let receiver = format!("http://{}", listener.local_addr().unwrap());
@@ -65,6 +66,7 @@ async fn a_dashboard_request_exports_one_server_span_with_six_children_in_the_ca
 
     let app = helpers::spawn_app().await;
     app.seed(1, 5).await;
+    // Act: one dashboard request in the caller's trace.
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     let resp = app
         .client
@@ -76,7 +78,8 @@ async fn a_dashboard_request_exports_one_server_span_with_six_children_in_the_ca
         .unwrap();
     assert_eq!(resp.status(), 200);
 
-    // The downstream calls carried the same trace, each with its own call span as parent.
+    // Assert, on the wire: the downstream calls carried the same trace, each with its own call
+    // span as parent.
     let journal = app.sim.sim.journal();
     assert_eq!(journal.len(), 5);
     for seen in &journal {
@@ -85,7 +88,8 @@ async fn a_dashboard_request_exports_one_server_span_with_six_children_in_the_ca
         assert_eq!(seen.tracestate.as_deref(), Some("vendor=abc"));
     }
 
-    // The batch exporter flushes every 500 ms; wait for the server span to arrive.
+    // Assert, in the export: one server span parented on the caller's, with one child per
+    // part. The batch exporter flushes every 500 ms; wait for the server span to arrive.
     let wanted = hex_id(trace_id);
     let mut server = None;
     for _ in 0..100 {

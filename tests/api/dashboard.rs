@@ -134,7 +134,7 @@ async fn recent_orders_degrade_when_the_query_fails() {
 
 /// Waits until every optional service has seen `n` calls abandoned by the gateway.
 async fn siblings_cancelled(app: &crate::helpers::TestApp, n: u64) -> bool {
-    eventually(Duration::from_secs(5), || {
+    eventually(Duration::from_secs(5), || async {
         optional()
             .iter()
             .all(|(s, _)| app.sim.sim.stats(*s).cancelled >= n)
@@ -201,7 +201,7 @@ async fn a_client_that_goes_away_cancels_every_downstream_call() {
         .unwrap();
     let result = impatient.get(app.url("/api/v1/dashboard/1")).send().await;
     assert!(result.is_err(), "the client gave up");
-    let all_cancelled = eventually(Duration::from_secs(5), || {
+    let all_cancelled = eventually(Duration::from_secs(5), || async {
         Service::ALL
             .iter()
             .all(|s| app.sim.sim.stats(*s).cancelled == 1 && app.sim.sim.stats(*s).in_flight == 0)
@@ -210,13 +210,9 @@ async fn a_client_that_goes_away_cancels_every_downstream_call() {
     assert!(all_cancelled, "downstream calls outlived their request");
     // Nothing leaked on the gateway side either.
     assert!(
-        eventually(Duration::from_secs(2), || app
-            .state
-            .admission
-            .as_ref()
-            .unwrap()
-            .in_flight()
-            == 0)
+        eventually(Duration::from_secs(2), || async {
+            app.state.admission.as_ref().unwrap().in_flight() == 0
+        })
         .await
     );
     for d in app.state.downstreams.all() {

@@ -1,11 +1,14 @@
-//! The test harness: a real gateway on an ephemeral port, in front of a real simulator on
-//! another ephemeral port and a fresh, migrated Postgres database of its own.
+//! The test harness, and the only file that holds helpers the tests share: a real gateway on
+//! an ephemeral port, in front of a real simulator on another ephemeral port and a fresh
+//! Postgres database of its own (migrated by the gateway at start-up, as in production).
 //!
 //! Postgres is found through `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`,
-//! the server compose exposes and the one CI starts); each test creates `tributary_test_<uuid>`
-//! there and drops it when the `TestApp` is dropped.
+//! the server compose exposes and the one CI starts). Every database a test creates is a
+//! [`TestDatabase`], `tributary_test_<uuid>`, dropped when the value is (a `TestApp` owns its
+//! own).
 
 use std::{
+    future::Future,
     net::SocketAddr,
     num::{NonZeroU32, NonZeroUsize},
     sync::{Arc, Mutex, OnceLock},
@@ -86,6 +89,8 @@ pub struct TestApp {
     pub state: AppState,
     shutdown: Option<oneshot::Sender<()>>,
     server: Option<JoinHandle<anyhow::Result<()>>>,
+    /// Last, so that it is dropped after everything that uses it.
+    _database: TestDatabase,
 }
 
 /// Settings for a test: everything on loopback, short timeouts, downstreams at `sim_url`.
@@ -129,8 +134,44 @@ pub fn nz32(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).expect("a non-zero limit")
 }
 
-/// Creates and migrates a fresh database; returns its name.
-pub async fn fresh_database() -> String {
+/// A database of the test's own on the test server, dropped with this value.
+pub struct TestDatabase {
+    pub name: String,
+}
+
+impl TestDatabase {
+    pub fn url(&self) -> String {
+        url_for(&self.name)
+    }
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // Dropping a database needs async I/O; do it on a thread with its own runtime, because
+        // the test's runtime may be blocked in this very `drop`. The pools' connections belong
+        // to that runtime, so they are not closed here: `WITH (FORCE)` ends them server-side.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                if let Ok(mut conn) = PgConnection::connect(&server_url()).await {
+                    let _ = conn
+                        .execute(sqlx::AssertSqlSafe(format!(
+                            r#"DROP DATABASE IF EXISTS "{name}" WITH (FORCE)"#
+                        )))
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// Creates an empty database (no migrations applied).
+pub async fn fresh_database() -> TestDatabase {
     let name = format!("tributary_test_{}", uuid::Uuid::new_v4().simple());
     let mut conn = PgConnection::connect(&server_url())
         .await
@@ -138,7 +179,19 @@ pub async fn fresh_database() -> String {
     conn.execute(sqlx::AssertSqlSafe(format!(r#"CREATE DATABASE "{name}""#)))
         .await
         .expect("create test database");
-    name
+    TestDatabase { name }
+}
+
+/// Whether a database of this name exists on the test server.
+pub async fn database_exists(name: &str) -> bool {
+    let mut conn = PgConnection::connect(&server_url())
+        .await
+        .expect("Postgres");
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+        .bind(name)
+        .fetch_one(&mut conn)
+        .await
+        .expect("pg_database")
 }
 
 pub async fn spawn_app() -> TestApp {
@@ -167,8 +220,8 @@ pub async fn spawn_app_full(
     let sim = sim::spawn("127.0.0.1:0".parse().unwrap(), behaviour)
         .await
         .expect("simulator starts");
-    let db_name = fresh_database().await;
-    let mut settings = test_settings(&sim.base_url(), &url_for(&db_name));
+    let database = fresh_database().await;
+    let mut settings = test_settings(&sim.base_url(), &database.url());
     configure(&mut settings);
     let app = Application::build_with(settings, extra)
         .await
@@ -179,9 +232,7 @@ pub async fn spawn_app_full(
     let server = tokio::spawn(app.run_until_stopped(async {
         let _ = rx.await;
     }));
-    let db = PgPool::connect(&url_for(&db_name))
-        .await
-        .expect("test pool");
+    let db = PgPool::connect(&database.url()).await.expect("test pool");
     TestApp {
         addr,
         client: reqwest::Client::builder()
@@ -190,10 +241,11 @@ pub async fn spawn_app_full(
             .unwrap(),
         sim,
         db,
-        db_name,
+        db_name: database.name.clone(),
         state,
         shutdown: Some(tx),
         server: Some(server),
+        _database: database,
     }
 }
 
@@ -234,6 +286,31 @@ impl TestApp {
         self.get("/metrics").await.text().await.unwrap()
     }
 
+    /// A sample from the gateway's `/metrics`, 0 when the series does not exist yet.
+    pub async fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        metric_value(&self.metrics().await, name, labels).unwrap_or(0.0)
+    }
+
+    /// `GET /api/v1/dashboard/{user_id}`: the status and the body (`null` when not JSON).
+    pub async fn dashboard(&self, user_id: i64) -> (u16, Value) {
+        let resp = self.get(&format!("/api/v1/dashboard/{user_id}")).await;
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    /// `POST /api/v1/orders` with `body`, under `key` when given.
+    pub fn post_order(
+        &self,
+        key: Option<&str>,
+        body: &Value,
+    ) -> impl Future<Output = reqwest::Response> {
+        let mut request = self.client.post(self.url("/api/v1/orders")).json(body);
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        async move { request.send().await.expect("request") }
+    }
+
     /// Stops the server gracefully and waits for it.
     pub async fn stop(&mut self) -> anyhow::Result<()> {
         if let Some(tx) = self.shutdown.take() {
@@ -251,34 +328,18 @@ impl Drop for TestApp {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
-        let name = self.db_name.clone();
-        // Dropping a database needs async I/O; do it on a thread with its own runtime, because
-        // the test's runtime is blocked in this very `drop`. The pools' connections belong to
-        // that runtime, so they are not closed here: `WITH (FORCE)` ends them server-side.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                if let Ok(mut conn) = PgConnection::connect(&server_url()).await {
-                    let _ = conn
-                        .execute(sqlx::AssertSqlSafe(format!(
-                            r#"DROP DATABASE IF EXISTS "{name}" WITH (FORCE)"#
-                        )))
-                        .await;
-                }
-            });
-        })
-        .join();
     }
 }
 
-/// Polls `check` every 20 ms until it returns true or `within` passes.
-pub async fn eventually(within: Duration, mut check: impl FnMut() -> bool) -> bool {
+/// Polls `check` every 20 ms until it returns true or `within` passes; says whether it did.
+pub async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        if check() {
+        if check().await {
             return true;
         }
         if tokio::time::Instant::now() >= deadline {
@@ -288,7 +349,28 @@ pub async fn eventually(within: Duration, mut check: impl FnMut() -> bool) -> bo
     }
 }
 
-/// The value of a Prometheus sample with exactly these labels (in any order), if present.
+/// A dashboard's `degraded` list.
+pub fn degraded(body: &Value) -> Vec<String> {
+    body["degraded"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A valid order for `user_id`: two lines, 2 × 12.50 + 4.99.
+pub fn order(user_id: i64) -> Value {
+    serde_json::json!({"user_id": user_id, "items": [
+        {"sku": "SKU-1", "quantity": 2, "unit_price_cents": 1250},
+        {"sku": "SKU-2", "quantity": 1, "unit_price_cents": 499}
+    ]})
+}
+
+/// The value of the first Prometheus sample whose labels include these (in any order), if
+/// present.
 pub fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
     text.lines()
         .filter(|l| !l.starts_with('#'))

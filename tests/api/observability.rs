@@ -288,7 +288,10 @@ async fn a_request_the_client_abandons_is_recorded_as_499() {
 
     let line = |l: &serde_json::Value| l["span"]["request_id"] == "abandoned-1";
     assert!(
-        eventually(Duration::from_secs(5), || log_lines().iter().any(line)).await,
+        eventually(Duration::from_secs(5), || async {
+            log_lines().iter().any(line)
+        })
+        .await,
         "no access line for the abandoned request"
     );
     let lines: Vec<_> = log_lines().into_iter().filter(line).collect();
@@ -332,7 +335,7 @@ async fn only_unexpected_errors_are_logged_at_error_and_each_error_once() {
             .send()
     };
 
-    // The one dashboard slot is held by a slow request; the next one is shed.
+    // Act: the one dashboard slot is held by a slow request; the next one is shed.
     app.set_service(Service::Carts, |b| b.latency = Duration::from_secs(1));
     let holder = tokio::spawn(get("/api/v1/dashboard/1", "holder-1"));
     let limiter = app
@@ -341,7 +344,12 @@ async fn only_unexpected_errors_are_logged_at_error_and_each_error_once() {
         .as_ref()
         .unwrap()
         .limiter(tributary::config::RouteGroup::Dashboard);
-    assert!(eventually(Duration::from_secs(5), || limiter.in_flight() == 1).await);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            limiter.in_flight() == 1
+        })
+        .await
+    );
     assert_eq!(
         get("/api/v1/dashboard/1", "shed-1").await.unwrap().status(),
         503
@@ -360,6 +368,7 @@ async fn only_unexpected_errors_are_logged_at_error_and_each_error_once() {
     // A bug: 500.
     assert_eq!(get("/test/panics", "panic-1").await.unwrap().status(), 500);
 
+    // Assert: the expected errors are one INFO access line each; the bug is one ERROR line.
     let lines_of = |id: &str| -> Vec<serde_json::Value> {
         log_lines()
             .into_iter()

@@ -5,22 +5,7 @@ use std::time::Duration;
 use futures::future::join_all;
 use serde_json::{Value, json};
 
-use crate::helpers::{TestApp, problem, spawn_app, spawn_app_with};
-
-fn order(user_id: i64) -> Value {
-    json!({"user_id": user_id, "items": [
-        {"sku": "SKU-1", "quantity": 2, "unit_price_cents": 1250},
-        {"sku": "SKU-2", "quantity": 1, "unit_price_cents": 499}
-    ]})
-}
-
-async fn post(app: &TestApp, key: Option<&str>, body: &Value) -> reqwest::Response {
-    let mut req = app.client.post(app.url("/api/v1/orders")).json(body);
-    if let Some(k) = key {
-        req = req.header("idempotency-key", k);
-    }
-    req.send().await.unwrap()
-}
+use crate::helpers::{TestApp, order, problem, spawn_app, spawn_app_with};
 
 async fn orders_of(app: &TestApp, user_id: i64) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM orders WHERE user_id = $1")
@@ -33,7 +18,7 @@ async fn orders_of(app: &TestApp, user_id: i64) -> i64 {
 #[tokio::test]
 async fn an_order_is_created_in_one_transaction_and_reads_back() {
     let app = spawn_app().await;
-    let resp = post(&app, Some("k-create"), &order(42)).await;
+    let resp = app.post_order(Some("k-create"), &order(42)).await;
     assert_eq!(resp.status(), 201);
     let created: Value = resp.json().await.unwrap();
     assert_eq!(created["total_cents"], 2 * 1250 + 499);
@@ -58,19 +43,19 @@ async fn an_order_is_created_in_one_transaction_and_reads_back() {
 #[tokio::test]
 async fn the_same_key_and_body_replays_and_a_different_body_conflicts() {
     let app = spawn_app().await;
-    let first = post(&app, Some("k-replay"), &order(7)).await;
+    let first = app.post_order(Some("k-replay"), &order(7)).await;
     assert_eq!(first.status(), 201);
     let first_body = first.text().await.unwrap();
 
     // Same order, different formatting and key order: still a replay.
     let same = json!({"items": order(7)["items"], "user_id": 7});
-    let again = post(&app, Some("k-replay"), &same).await;
+    let again = app.post_order(Some("k-replay"), &same).await;
     assert_eq!(again.status(), 201);
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(again.text().await.unwrap(), first_body);
     assert_eq!(orders_of(&app, 7).await, 1);
 
-    let (status, body) = problem(post(&app, Some("k-replay"), &order(8)).await).await;
+    let (status, body) = problem(app.post_order(Some("k-replay"), &order(8)).await).await;
     assert_eq!(status, 409);
     assert_eq!(body["type"], "/problems/idempotency-conflict");
     assert_eq!(orders_of(&app, 8).await, 0);
@@ -80,7 +65,7 @@ async fn the_same_key_and_body_replays_and_a_different_body_conflicts() {
 async fn concurrent_duplicates_create_exactly_one_order() {
     let app = spawn_app().await;
     let body = order(99);
-    let responses = join_all((0..20).map(|_| post(&app, Some("k-race"), &body))).await;
+    let responses = join_all((0..20).map(|_| app.post_order(Some("k-race"), &body))).await;
     let mut ids = Vec::new();
     for resp in responses {
         assert_eq!(resp.status(), 201);
@@ -95,7 +80,7 @@ async fn concurrent_duplicates_create_exactly_one_order() {
 #[tokio::test]
 async fn invalid_orders_are_400_problems_that_name_the_field() {
     let app = spawn_app().await;
-    let (status, body) = problem(post(&app, None, &order(1)).await).await;
+    let (status, body) = problem(app.post_order(None, &order(1)).await).await;
     assert_eq!(
         (status, body["field"].as_str()),
         (400, Some("Idempotency-Key"))
@@ -127,7 +112,7 @@ async fn invalid_orders_are_400_problems_that_name_the_field() {
         ),
     ];
     for (body, field) in cases {
-        let (status, problem) = problem(post(&app, Some("k-bad"), &body).await).await;
+        let (status, problem) = problem(app.post_order(Some("k-bad"), &body).await).await;
         assert_eq!(status, 400, "{body}");
         assert!(
             problem["field"].as_str().unwrap().contains(field)
@@ -158,7 +143,7 @@ async fn invalid_orders_are_400_problems_that_name_the_field() {
 async fn oversized_bodies_are_413_and_unknown_orders_404() {
     let app = spawn_app().await;
     let huge = json!({"user_id": 1, "items": [{"sku": "A".repeat(100_000), "quantity": 1, "unit_price_cents": 1}]});
-    let (status, _) = problem(post(&app, Some("k-huge"), &huge).await).await;
+    let (status, _) = problem(app.post_order(Some("k-huge"), &huge).await).await;
     assert_eq!(status, 413);
     let (status, _) = problem(app.get("/api/v1/orders/123456").await).await;
     assert_eq!(status, 404);
@@ -177,11 +162,14 @@ async fn an_order_whose_statement_outlives_the_deadline_is_a_504_not_a_500() {
         .await
         .unwrap();
 
-    let (status, body) = problem(post(&app, Some("k-slow"), &order(5)).await).await;
+    let (status, body) = problem(app.post_order(Some("k-slow"), &order(5)).await).await;
     locker.rollback().await.unwrap();
 
     assert_eq!(status, 504, "{body}");
     assert_eq!(body["type"], "/problems/gateway-timeout");
     assert_eq!(orders_of(&app, 5).await, 0, "nothing was written");
-    assert_eq!(post(&app, Some("k-slow"), &order(5)).await.status(), 201);
+    assert_eq!(
+        app.post_order(Some("k-slow"), &order(5)).await.status(),
+        201
+    );
 }

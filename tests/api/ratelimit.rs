@@ -285,7 +285,12 @@ async fn over_its_rate_a_client_gets_429_while_a_full_gateway_gives_others_503()
         })
     };
     let admission = app.state.admission.as_ref().unwrap();
-    assert!(eventually(Duration::from_secs(5), || admission.in_flight() == 1).await);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            admission.in_flight() == 1
+        })
+        .await
+    );
 
     let (status, _) = problem(as_client(&app, &unique_key()).await).await;
     assert_eq!(status, 503, "a client within its rate meets a full gateway");

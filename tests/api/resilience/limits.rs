@@ -1,0 +1,158 @@
+//! Input and connection limits: header limits (431), slowloris, the connection cap (503).
+
+use std::time::Duration;
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+};
+
+use super::serial;
+use crate::helpers::{TestApp, eventually, nz, problem, spawn_app_with};
+
+/// Writes `request` on a fresh connection and reads until the server closes it (or 5 s pass).
+/// Returns what was read and whether the connection was closed.
+async fn raw_exchange(app: &TestApp, request: &[u8]) -> (String, bool) {
+    let mut stream = TcpStream::connect(app.addr).await.unwrap();
+    // The server may stop reading (and close) before the whole request is written.
+    let _ = stream.write_all(request).await;
+    read_until_closed(&mut stream).await
+}
+
+async fn read_until_closed(stream: &mut TcpStream) -> (String, bool) {
+    let mut out = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await
+    .is_ok();
+    (String::from_utf8_lossy(&out).into_owned(), closed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_many_headers_or_an_oversized_request_head_are_431() {
+    let _serial = serial().await;
+    let app = spawn_app_with(|s| {
+        s.server.max_headers = nz(16);
+        s.server.max_header_bytes = nz(8192);
+    })
+    .await;
+
+    let mut many = String::from("GET /healthz HTTP/1.1\r\nhost: gateway\r\n");
+    for i in 0..40 {
+        many.push_str(&format!("x-extra-{i}: {i}\r\n"));
+    }
+    many.push_str("\r\n");
+    let (response, _) = raw_exchange(&app, many.as_bytes()).await;
+    assert!(response.starts_with("HTTP/1.1 431"), "{response:?}");
+
+    let big = format!(
+        "GET /healthz HTTP/1.1\r\nhost: gateway\r\nx-big: {}\r\n\r\n",
+        "a".repeat(20_000)
+    );
+    let (response, _) = raw_exchange(&app, big.as_bytes()).await;
+    assert!(response.starts_with("HTTP/1.1 431"), "{response:?}");
+
+    // Over the configured limits but within hyper's hard bounds (twice them): a problem document.
+    let mut some = String::from("GET /healthz HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n");
+    for i in 0..20 {
+        some.push_str(&format!("x-extra-{i}: {i}\r\n"));
+    }
+    some.push_str("\r\n");
+    let (response, _) = raw_exchange(&app, some.as_bytes()).await;
+    assert!(response.starts_with("HTTP/1.1 431"), "{response:?}");
+    assert!(
+        response.contains("application/problem+json"),
+        "{response:?}"
+    );
+    assert!(
+        response.contains("/problems/header-fields-too-large"),
+        "{response:?}"
+    );
+    let large = format!(
+        "GET /healthz HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\nx-big: {}\r\n\r\n",
+        "a".repeat(10_000)
+    );
+    let (response, _) = raw_exchange(&app, large.as_bytes()).await;
+    assert!(response.starts_with("HTTP/1.1 431"), "{response:?}");
+    assert!(
+        response.contains("/problems/header-fields-too-large"),
+        "{response:?}"
+    );
+
+    // Within the limits the same request is fine.
+    let (response, _) = raw_exchange(
+        &app,
+        b"GET /healthz HTTP/1.1\r\nhost: gateway\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slowloris_client_is_disconnected_after_the_header_read_timeout() {
+    let _serial = serial().await;
+    let app = spawn_app_with(|s| s.server.header_read_timeout = Duration::from_millis(300)).await;
+
+    // Half a request head, then nothing.
+    let (response, closed) =
+        raw_exchange(&app, b"GET /api/v1/dashboard/1 HTTP/1.1\r\nhost: gat").await;
+    assert!(closed, "a stalled request head kept its connection open");
+    assert!(response.is_empty(), "{response:?}");
+
+    // Not even a first byte: the connection is just as stalled.
+    let (response, closed) = raw_exchange(&app, b"").await;
+    assert!(closed, "a silent connection was kept open");
+    assert!(response.is_empty(), "{response:?}");
+
+    // An idle keep-alive connection is closed by the same timer once its request is answered.
+    let (response, closed) =
+        raw_exchange(&app, b"GET /healthz HTTP/1.1\r\nhost: gateway\r\n\r\n").await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response:?}");
+    assert!(closed, "an idle keep-alive connection was kept open");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_max_connections_get_a_503_problem() {
+    let _serial = serial().await;
+    let app = spawn_app_with(|s| s.server.max_connections = nz(2)).await;
+
+    // Two kept-alive connections, each proven established by a completed request.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut stream = TcpStream::connect(app.addr).await.unwrap();
+        stream
+            .write_all(b"GET /healthz HTTP/1.1\r\nhost: gateway\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 1024];
+        let n = stream.read(&mut buf).await.unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+        held.push(stream);
+    }
+
+    // A real client on a third connection: it sends its request and reads the refusal.
+    let client = reqwest::Client::new();
+    let (status, body) = problem(client.get(app.url("/healthz")).send().await.unwrap()).await;
+    assert_eq!(status, 503);
+    assert_eq!(body["type"], "/problems/unavailable");
+
+    drop(held);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            reqwest::Client::new()
+                .get(app.url("/healthz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        })
+        .await,
+        "closed connections did not free their slots"
+    );
+}
