@@ -17,7 +17,6 @@
 //! - [`telemetry`]: logs, traces, metrics and runtime health;
 //! - [`tls`]: the process-wide TLS crypto provider;
 //! - [`startup`]: building and serving the application;
-//! - [`sim`]: the downstream simulator used by tests, compose and the benchmark lab.
 
 pub mod admission;
 pub mod build_info;
@@ -31,7 +30,6 @@ pub mod error;
 pub mod fanout;
 pub mod http;
 pub mod ratelimit;
-pub mod sim;
 pub mod startup;
 pub mod telemetry;
 pub mod tls;

@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use serde_json::Value;
-use tributary::{domain::Service, sim::Mode};
+use tributary::domain::Service;
+use tributary_sim::Mode;
 
 use crate::helpers::{eventually, optional, problem, spawn_app, spawn_app_with};
 

@@ -23,8 +23,8 @@ use tributary::{
     Application, Settings,
     domain::{Part, Service},
     http::AppState,
-    sim::{self, Behaviour, Mode, SimHandle},
 };
+use tributary_sim::{self as sim, Behaviour, Mode, SimHandle};
 
 /// The Postgres server tests create their databases on.
 pub fn server_url() -> String {

@@ -6,7 +6,8 @@ use std::{
 };
 
 use axum::{Router, routing::get};
-use tributary::{config::Secret, domain::Service, sim::Behaviour, startup::METRIC_FAMILIES};
+use tributary::{config::Secret, domain::Service, startup::METRIC_FAMILIES};
+use tributary_sim::Behaviour;
 
 use crate::helpers::{
     eventually, log_lines, metric_value, nz, spawn_app, spawn_app_full, spawn_app_with,

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use tokio::{io::AsyncWriteExt, net::TcpStream};
-use tributary::{config::Ratio, domain::Service, sim::Mode};
+use tributary::{config::Ratio, domain::Service};
+use tributary_sim::Mode;
 
 use super::serial;
 use crate::helpers::{degraded, eventually, metric_value, nz, optional, problem, spawn_app_with};

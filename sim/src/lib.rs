@@ -7,8 +7,11 @@
 //! before they finished (the proof that the gateway cancels), and a bounded journal of the
 //! request ids, trace context and budgets that arrived with each call.
 //!
-//! It is a library module so tests can run it in-process on port 0; the `downstream-sim` binary
-//! is a thin wrapper for compose, Kubernetes and the benchmark lab.
+//! It is a crate of its own, beside the gateway's: a library so that the gateway's tests can run
+//! it in-process on port 0, and the `downstream-sim` binary, a thin wrapper for compose,
+//! Kubernetes and the benchmark lab. It depends on the gateway's library only for the
+//! vocabulary (`Service`) and the listener set-up, so the production library carries none of
+//! it.
 
 use std::{
     collections::{BTreeMap, VecDeque},
@@ -30,7 +33,7 @@ use axum::{
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::domain::Service;
+use tributary::domain::Service;
 
 /// How a service behaves.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -237,8 +240,8 @@ async fn serve(
     match b.mode {
         Mode::Hang => std::future::pending::<()>().await,
         Mode::Reset => {
-            // Dropping the connection from inside a handler: panic is the one way axum lets a
-            // handler abort the response; hyper then closes the connection.
+            // Dropping the connection from inside a handler: a body that fails mid-stream makes
+            // hyper abort the connection (see `reset_connection`).
             guard.done = true;
             drop(guard);
             return reset_connection();
@@ -352,7 +355,7 @@ impl Drop for SimHandle {
 pub async fn spawn(addr: SocketAddr, default: Behaviour) -> std::io::Result<SimHandle> {
     // The gateway opens one connection per concurrent call; a wide accept queue keeps a cold
     // start with thousands of simultaneous connects from dropping SYNs.
-    let listener = crate::startup::listen(addr, 4096)?;
+    let listener = tributary::startup::listen(addr, 4096)?;
     let addr = listener.local_addr()?;
     let sim = Sim::new(default);
     let app = router(Arc::clone(&sim));

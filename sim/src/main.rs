@@ -3,7 +3,7 @@
 use std::{net::SocketAddr, time::Duration};
 
 use clap::Parser;
-use tributary::sim::{self, Behaviour, Mode};
+use tributary_sim::{self as sim, Behaviour, Mode};
 
 #[derive(Parser)]
 #[command(
@@ -70,18 +70,7 @@ fn main() -> std::process::ExitCode {
         };
         println!("downstream-sim listening on {}", handle.addr);
         // Containers are stopped with SIGTERM, terminals with SIGINT: either ends the process.
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("downstream-sim: cannot install the SIGTERM handler: {e}");
-                    return std::process::ExitCode::FAILURE;
-                }
-            };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
+        tributary::startup::shutdown_signal().await;
         std::process::ExitCode::SUCCESS
     })
 }
