@@ -12,7 +12,7 @@
 //! The reports' Java gateway learned the last one the hard way: thousands of virtual threads
 //! in front of a HikariCP pool of 30, with connection timeouts as the only symptom.
 
-use std::time::Duration;
+use std::{fmt, time::Duration};
 
 use serde::Serialize;
 
@@ -68,6 +68,77 @@ pub fn recommend(input: &CapacityInput) -> Recommendation {
     }
 }
 
+/// The worked arithmetic behind a [`Recommendation`], one line per quantity, as
+/// `tributary capacity` prints it.
+pub struct Report<'a> {
+    input: &'a CapacityInput,
+    recommendation: &'a Recommendation,
+}
+
+impl<'a> Report<'a> {
+    pub fn new(input: &'a CapacityInput, recommendation: &'a Recommendation) -> Self {
+        Self {
+            input,
+            recommendation,
+        }
+    }
+}
+
+/// A duration in milliseconds, exact to the microsecond (so `2.5` prints as `2.5`).
+fn millis(d: Duration) -> f64 {
+    d.as_micros() as f64 / 1000.0
+}
+
+impl fmt::Display for Report<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (i, r) = (self.input, self.recommendation);
+        let replicas = i.replicas;
+        let per_replica = i.target_rps / f64::from(replicas.max(1));
+        let headroom = i.headroom;
+        writeln!(
+            f,
+            "Little's law, per replica ({replicas} replica(s), {per_replica:.0} req/s each):"
+        )?;
+        writeln!(
+            f,
+            "  requests in flight  = {per_replica:.0} req/s × {} ms = {:.1}",
+            millis(i.request_latency),
+            r.in_flight_per_replica
+        )?;
+        writeln!(
+            f,
+            "  admission limit     = ceil({:.1} × {headroom}) = {}",
+            r.in_flight_per_replica, r.admission_limit
+        )?;
+        writeln!(
+            f,
+            "  busy connections    = {per_replica:.0} req/s × {} q/req × {} ms = {:.2}",
+            i.db_queries_per_request,
+            millis(i.db_latency),
+            r.busy_connections_per_replica
+        )?;
+        writeln!(
+            f,
+            "  pool size           = ceil({:.2} × {headroom}) = {}",
+            r.busy_connections_per_replica, r.pool_size
+        )?;
+        writeln!(
+            f,
+            "  fleet ceiling       = ({} − {}) / {replicas} = {} per replica",
+            i.server_max_connections, i.reserved_connections, r.pool_ceiling_per_replica
+        )?;
+        writeln!(
+            f,
+            "  fits the fleet budget: {}",
+            if r.fits_fleet_budget {
+                "yes"
+            } else {
+                "NO — raise max_connections on the server or add capacity per replica"
+            }
+        )
+    }
+}
+
 /// Start-up check of the configured pool against the fleet budget; returns warnings.
 pub fn check_pool_budget(db: &DatabaseSettings) -> Vec<String> {
     let budget = db
@@ -116,6 +187,32 @@ mod tests {
         assert_eq!(r.pool_size, 15);
         assert_eq!(r.pool_ceiling_per_replica, 90);
         assert!(r.fits_fleet_budget);
+    }
+
+    #[test]
+    fn the_report_shows_the_arithmetic_with_the_inputs_as_given() {
+        let input = CapacityInput {
+            target_rps: 5000.0,
+            request_latency: Duration::from_millis(100),
+            db_queries_per_request: 1.0,
+            db_latency: Duration::from_micros(2500),
+            headroom: 1.5,
+            replicas: 2,
+            server_max_connections: 100,
+            reserved_connections: 10,
+        };
+        let text = Report::new(&input, &recommend(&input)).to_string();
+        for line in [
+            "Little's law, per replica (2 replica(s), 2500 req/s each):",
+            "  requests in flight  = 2500 req/s × 100 ms = 250.0",
+            "  admission limit     = ceil(250.0 × 1.5) = 375",
+            "  busy connections    = 2500 req/s × 1 q/req × 2.5 ms = 6.25",
+            "  pool size           = ceil(6.25 × 1.5) = 10",
+            "  fleet ceiling       = (100 − 10) / 2 = 45 per replica",
+            "  fits the fleet budget: yes",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
     }
 
     #[test]

@@ -121,42 +121,9 @@ fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
                 server_max_connections: pg_max_connections,
                 reserved_connections: reserve,
             };
-            let r = capacity::recommend(&input);
-            println!(
-                "Little's law, per replica ({replicas} replica(s), {:.0} req/s each):",
-                target_rps / f64::from(replicas.max(1))
-            );
-            println!(
-                "  requests in flight  = {:.0} req/s × {latency_ms} ms = {:.1}",
-                target_rps / f64::from(replicas.max(1)),
-                r.in_flight_per_replica
-            );
-            println!(
-                "  admission limit     = ceil({:.1} × {headroom}) = {}",
-                r.in_flight_per_replica, r.admission_limit
-            );
-            println!(
-                "  busy connections    = {:.0} req/s × {db_queries_per_request} q/req × {db_latency_ms} ms = {:.2}",
-                target_rps / f64::from(replicas.max(1)),
-                r.busy_connections_per_replica
-            );
-            println!(
-                "  pool size           = ceil({:.2} × {headroom}) = {}",
-                r.busy_connections_per_replica, r.pool_size
-            );
-            println!(
-                "  fleet ceiling       = ({pg_max_connections} − {reserve}) / {replicas} = {} per replica",
-                r.pool_ceiling_per_replica
-            );
-            println!(
-                "  fits the fleet budget: {}",
-                if r.fits_fleet_budget {
-                    "yes"
-                } else {
-                    "NO — raise max_connections on the server or add capacity per replica"
-                }
-            );
-            println!("{}", serde_json::to_string(&r)?);
+            let recommendation = capacity::recommend(&input);
+            print!("{}", capacity::Report::new(&input, &recommendation));
+            println!("{}", serde_json::to_string(&recommendation)?);
             Ok(())
         }
         Command::Serve | Command::Migrate | Command::Seed { .. } => {
