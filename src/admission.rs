@@ -19,7 +19,7 @@
 
 use std::{
     sync::{
-        Arc, Mutex, Weak,
+        Arc, Mutex,
         atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
@@ -30,6 +30,7 @@ use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
     time::Instant,
 };
+use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::{AdaptiveSettings, AdmissionMode, RouteGroup, Settings},
@@ -44,9 +45,9 @@ pub struct Admission {
 }
 
 impl Admission {
-    /// Builds one limiter per group and starts the once-a-second bookkeeping task, which ends
-    /// by itself when the `Admission` is dropped.
-    pub fn new(settings: &Settings) -> Arc<Self> {
+    /// Builds one limiter per group and starts the once-a-second bookkeeping task, which stops
+    /// when `shutdown` is cancelled.
+    pub fn new(settings: &Settings, shutdown: CancellationToken) -> Arc<Self> {
         let shedding = Arc::new(AtomicBool::new(false));
         let shedding_gauge = metrics::gauge!(SHEDDING.name);
         shedding_gauge.set(0.0);
@@ -63,9 +64,10 @@ impl Admission {
         let this = Arc::new(Self { limiters, shedding });
         let hysteresis = Hysteresis::new(settings);
         tokio::spawn(bookkeeping(
-            Arc::downgrade(&this),
+            Arc::clone(&this),
             hysteresis,
             shedding_gauge,
+            shutdown,
         ));
         this
     }
@@ -131,15 +133,20 @@ impl Hysteresis {
     }
 }
 
-async fn bookkeeping(admission: Weak<Admission>, mut hysteresis: Hysteresis, gauge: Gauge) {
+async fn bookkeeping(
+    admission: Arc<Admission>,
+    mut hysteresis: Hysteresis,
+    gauge: Gauge,
+    shutdown: CancellationToken,
+) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
     loop {
-        tick.tick().await;
-        let Some(admission) = admission.upgrade() else {
-            return;
-        };
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
         let (mut admitted, mut rejected) = (0, 0);
         for l in &admission.limiters {
             let (a, r) = l.end_second();

@@ -59,7 +59,7 @@ use std::{
     fmt,
     net::{IpAddr, SocketAddr},
     sync::{
-        Arc, Weak,
+        Arc,
         atomic::{AtomicBool, Ordering},
     },
     time::Duration,
@@ -82,6 +82,7 @@ use governor::{
 use metrics::{Counter, Histogram};
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tower_governor::{
     GovernorError,
     governor::{GovernorConfigBuilder, SharedRateLimiter},
@@ -227,7 +228,12 @@ pub struct RateLimiter {
 impl RateLimiter {
     /// Builds the limiter and starts its sweeper. With a Redis URL, connects and loads the
     /// script within [`REDIS_CONNECT_TIMEOUT`]; an unreachable Redis is logged, not an error.
-    pub async fn new(settings: &RateLimitSettings) -> anyhow::Result<Self> {
+    /// Its background tasks (the sweeper, a Redis prober during an outage) stop when
+    /// `shutdown` is cancelled.
+    pub async fn new(
+        settings: &RateLimitSettings,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<Self> {
         let burst = settings.burst;
         let period = Duration::from_secs(1) / settings.per_second.get();
         let keys = ClientKeyExtractor::new(settings);
@@ -239,9 +245,11 @@ impl RateLimiter {
             .finish()
             .context("rate_limit.per_second is too large for a nanosecond clock")?;
         let local = Arc::clone(config.limiter());
-        spawn_sweeper(Arc::downgrade(&local));
+        spawn_sweeper(Arc::clone(&local), shutdown.clone());
         let redis = match &settings.redis_url {
-            Some(url) => Some(SharedLimit::connect(url, settings, period, burst.get()).await?),
+            Some(url) => {
+                Some(SharedLimit::connect(url, settings, period, burst.get(), shutdown).await?)
+            }
             None => None,
         };
         Ok(Self {
@@ -326,7 +334,7 @@ fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
-fn spawn_sweeper(local: Weak<LocalState>) {
+fn spawn_sweeper(local: Arc<LocalState>, shutdown: CancellationToken) {
     let keys_gauge = metrics::gauge!(LOCAL_KEYS.name);
     // Nothing is tracked before the first request.
     keys_gauge.set(0.0);
@@ -335,11 +343,11 @@ fn spawn_sweeper(local: Weak<LocalState>) {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
         loop {
-            tick.tick().await;
-            // The limiter is gone (the application was dropped): so is the sweeper.
-            let Some(limiter) = local.upgrade() else {
-                return;
-            };
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let limiter = Arc::clone(&local);
             // `retain_recent` walks every shard under its lock: keep that off the async workers.
             let swept = tokio::task::spawn_blocking(move || {
                 limiter.retain_recent();
@@ -499,6 +507,8 @@ struct SharedLimit {
     burst: u32,
     down: AtomicBool,
     metrics: RedisInstruments,
+    /// Stops the prober.
+    shutdown: CancellationToken,
 }
 
 impl SharedLimit {
@@ -507,6 +517,7 @@ impl SharedLimit {
         settings: &RateLimitSettings,
         period: Duration,
         burst: u32,
+        shutdown: CancellationToken,
     ) -> anyhow::Result<Arc<Self>> {
         let mut config = deadpool_redis::Config::from_url(url.expose());
         config.pool = Some(PoolConfig::new(settings.redis_pool_size.get()));
@@ -533,6 +544,7 @@ impl SharedLimit {
             burst,
             down: AtomicBool::new(false),
             metrics: RedisInstruments::register(),
+            shutdown,
         });
         match this.probe().await {
             Ok(()) => tracing::info!(redis = %this.addr, "rate limits are shared through Redis"),
@@ -626,18 +638,22 @@ impl SharedLimit {
         }
     }
 
-    /// One task per outage: probes until Redis is back, then marks it up and ends.
+    /// One task per outage: probes until Redis is back, then marks it up and ends (or when
+    /// the application shuts down).
     fn spawn_prober(self: &Arc<Self>) {
-        let shared = Arc::downgrade(self);
+        let this = Arc::clone(self);
         tokio::spawn(async move {
             let since = Instant::now();
             let mut logged = since;
             loop {
-                tokio::time::sleep(REDIS_RETRY_EVERY).await;
-                let Some(this) = shared.upgrade() else {
-                    return;
+                let probed = tokio::select! {
+                    _ = this.shutdown.cancelled() => return,
+                    probed = async {
+                        tokio::time::sleep(REDIS_RETRY_EVERY).await;
+                        this.probe().await
+                    } => probed,
                 };
-                match this.probe().await {
+                match probed {
                     Ok(()) => {
                         this.down.store(false, Ordering::Release);
                         tracing::info!(
@@ -801,7 +817,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_local_limiter_allows_the_burst_then_limits_with_consistent_headers() {
-        let limiter = RateLimiter::new(&settings(RateLimitKey::ApiKey))
+        let limiter = RateLimiter::new(&settings(RateLimitKey::ApiKey), CancellationToken::new())
             .await
             .unwrap();
         let mut h = HeaderMap::new();

@@ -28,7 +28,7 @@ use tokio::{
     net::TcpListener,
     sync::Semaphore,
 };
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tower::ServiceExt;
 
 use crate::{
@@ -59,6 +59,13 @@ pub struct Application {
     router: Router,
     state: AppState,
     draining: Arc<AtomicBool>,
+    /// Handed to every background task the application starts (admission bookkeeping, the
+    /// rate limiter's sweeper and Redis prober, the runtime and pool samplers): the one way
+    /// they stop.
+    tasks: CancellationToken,
+    /// Cancels `tasks` when dropped: after `run_until_stopped`, or when the application is
+    /// dropped without ever being run.
+    stop_tasks: DropGuard,
 }
 
 impl Application {
@@ -70,6 +77,9 @@ impl Application {
     /// diagnostics use this seam).
     pub async fn build_with(settings: Settings, extra: Router<AppState>) -> anyhow::Result<Self> {
         let settings = Arc::new(settings);
+        let tasks = CancellationToken::new();
+        // Until the application exists, a failed build stops what it started.
+        let stop_tasks = tasks.clone().drop_guard();
         let telemetry = Telemetry::new(&settings.telemetry, METRIC_FAMILIES)?;
         for warning in capacity::check_pool_budget(&settings.database) {
             tracing::warn!("{warning}");
@@ -83,9 +93,11 @@ impl Application {
         let admission = settings
             .admission
             .enabled
-            .then(|| Admission::new(&settings));
+            .then(|| Admission::new(&settings, tasks.clone()));
         let rate_limiter = if settings.rate_limit.enabled {
-            Some(Arc::new(RateLimiter::new(&settings.rate_limit).await?))
+            Some(Arc::new(
+                RateLimiter::new(&settings.rate_limit, tasks.clone()).await?,
+            ))
         } else {
             None
         };
@@ -107,6 +119,8 @@ impl Application {
             listener,
             state,
             draining,
+            tasks,
+            stop_tasks,
         })
     }
 
@@ -128,12 +142,13 @@ impl Application {
             router,
             state,
             draining,
+            tasks,
+            stop_tasks,
         } = self;
         let settings = Arc::clone(&state.settings);
         let server = &settings.server;
-        let samplers = CancellationToken::new();
-        telemetry::runtime::spawn_samplers(samplers.clone());
-        state.db.spawn_pool_sampler(samplers.clone());
+        telemetry::runtime::spawn_samplers(tasks.clone());
+        state.db.spawn_pool_sampler(tasks);
 
         let mut builder = auto::Builder::new(TokioExecutor::new());
         builder
@@ -213,7 +228,7 @@ impl Application {
             Ok(()) => tracing::info!("all connections drained"),
             Err(_) => tracing::warn!("drain timeout elapsed; closing remaining connections"),
         }
-        samplers.cancel();
+        drop(stop_tasks);
         state.db.close().await;
         Ok(())
     }

@@ -133,7 +133,9 @@ pub const FAMILIES: &[Family] = &[REQUEST_DURATION, REQUESTS, ACTIVE_REQUESTS, B
 
 /// Installs the Prometheus recorder (once per process; later calls return the same handle),
 /// describes every family in `catalogue`, and starts the recorder's upkeep and the process
-/// sampler on plain threads.
+/// sampler on plain threads. Those two run for the life of the process, unlike the
+/// application's tasks: they serve the `metrics` facade's global recorder, which outlives any
+/// one application (tests build many) and cannot be uninstalled.
 pub(super) fn install_recorder(catalogue: &[&[Family]]) -> anyhow::Result<PrometheusHandle> {
     let mut installed = PROMETHEUS.lock().unwrap_or_else(|p| p.into_inner());
     let handle = match installed.as_ref() {
