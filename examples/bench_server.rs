@@ -1,30 +1,28 @@
 //! Benchmark server for the experiments that must not live in the gateway (see `bench/`).
 //!
-//! The field reports behind tributary measured Java services with platform threads, virtual
-//! threads and async code. Three of their experiments are about *where work runs* rather than
-//! about fan-out, so they are reproduced here, in a small axum server that `bench/run` pins to one
-//! core next to a load generator on the other:
+//! Three experiments of the benchmark lab are about *where work runs* rather than about
+//! fan-out, so they run here, in a small axum server that `bench/run` pins to one core next to
+//! a load generator on the other:
 //!
-//! - **`GET /cpu/{inline|blocking|rayon}`** (reports: "CPU-only, 5 ms SHA-256"). Every request does
+//! - **`GET /cpu/{inline|blocking|rayon}`** (CPU only, 5 ms of SHA-256). Every request does
 //!   about 5 ms of chained SHA-256. `inline` runs it on the async worker, which then cannot poll
 //!   anything else for 5 ms; `blocking` moves it to `tokio::task::spawn_blocking`; `rayon` sends it
 //!   to a bounded rayon pool and awaits a oneshot channel. On one core none of them can exceed
 //!   200 req/s; the difference shows up in the latency of unrelated light requests
 //!   (`GET /light`) that the bench runs at the same time.
-//! - **`GET /mixed/{inline|offload|blocking}`** (reports: "mixed, 10 ms I/O + 2 ms JSON/regex").
+//! - **`GET /mixed/{inline|offload|blocking}`** (mixed: 10 ms I/O + 2 ms JSON and regex).
 //!   Every request waits 10 ms of simulated I/O (`tokio::time::sleep`: the worker is free
 //!   meanwhile), then parses a large JSON document and regex-masks e-mail addresses and card
 //!   numbers in it, about 2 ms of CPU: `inline` on the worker, `offload` on the bounded rayon pool,
 //!   `blocking` with `spawn_blocking` (offloaded, but one OS thread per request in flight, which
 //!   the kernel then time-slices against the worker).
-//! - **`GET /pinning/{mutex|async-mutex|moka}`** (reports: control group C, `synchronized` around
-//!   a cache update that does blocking I/O, fixed with `computeIfAbsent`). `mutex` is the
-//!   deliberate anti-pattern: a `std::sync::Mutex` held while a blocking 5 ms load runs on the
-//!   async worker thread. That pins the worker exactly like a virtual thread pinned to its carrier:
+//! - **`GET /pinning/{mutex|async-mutex|moka}`** (a lock around a cache update that does
+//!   blocking I/O, and its fixes). `mutex` is the deliberate anti-pattern: a `std::sync::Mutex`
+//!   held while a blocking 5 ms load runs on the async worker thread. That pins the worker:
 //!   nothing else on that worker runs until the load is done. `async-mutex` holds a
 //!   `tokio::sync::Mutex` across an async load: the worker is free, but every update is still
-//!   serialised through one lock. `moka` uses `moka::future::Cache::get_with`, the
-//!   `computeIfAbsent` analogue: an async load, coalesced per key, with no global lock.
+//!   serialised through one lock. `moka` uses `moka::future::Cache::get_with`: an async load,
+//!   coalesced per key, with no global lock.
 //! - **`GET /light`** answers at once; it is the probe whose tail latency shows a pinned or
 //!   monopolised worker. **`GET /info`** reports the calibration so every run can record it.
 //!
@@ -555,7 +553,6 @@ impl StdMutexCache {
     /// goes wrong is this one: no await, so no lint, but the worker thread is blocked for the
     /// whole load and every other task scheduled on it (here: every other request, on a
     /// one-worker runtime) waits. Other workers that reach the lock block their threads too.
-    /// That is the async form of a virtual thread pinned to its carrier by `synchronized`.
     fn get_or_load_blocking(&self, key: u64, latency: Duration) -> Arc<str> {
         let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(value) = map.get(&key) {

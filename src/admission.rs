@@ -3,9 +3,9 @@
 //!
 //! Cheap concurrency removes the thread-pool cap that used to protect everything behind the
 //! gateway; without a limit the gateway admits everything, queues it in the downstreams and the
-//! database pool, and every request gets slow at once (the reports' "avalanche", fixed there
-//! with `Semaphore(2000)` and a 100 ms `tryAcquire`). This is that semaphore, per route group,
-//! with three things added:
+//! database pool, and every request gets slow at once (an avalanche). The cure is a semaphore
+//! with a short bounded wait in front (2,000 permits and 100 ms by default). This is that
+//! semaphore, per route group, with three things added:
 //!
 //! - `Retry-After` comes from the observed drain rate (how fast permits are being returned),
 //!   not a constant, so clients back off about as long as the backlog needs to clear;

@@ -9,8 +9,9 @@
 //! - and, across an autoscaled fleet sharing one Postgres, the budget
 //!   `pool_max × max_replicas ≤ server_max_connections − reserved`.
 //!
-//! The reports' Java gateway learned the last one the hard way: thousands of virtual threads
-//! in front of a HikariCP pool of 30, with connection timeouts as the only symptom.
+//! The last one fails silently until the fleet scales out: each replica's pool is fine, and the
+//! replicas together ask the server for more connections than it has, with connection
+//! timeouts as the only symptom; start-up warns about it ([`check_pool_budget`]).
 
 use std::{fmt, time::Duration};
 
@@ -170,7 +171,7 @@ mod tests {
 
     #[test]
     fn littles_law_sizes_the_limit_and_the_pool() {
-        // The reports' seed: 500 clients, 100 ms downstreams → 5,000 req/s at most.
+        // The benchmark lab's seed-baseline: 500 clients, 100 ms downstreams → 5,000 req/s.
         let r = recommend(&CapacityInput {
             target_rps: 5000.0,
             request_latency: Duration::from_millis(100),

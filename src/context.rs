@@ -1,16 +1,16 @@
 //! Per-request context in a `tokio::task_local!`.
 //!
-//! The Java gateways in the field reports kept request data in `ThreadLocal`s; with virtual
-//! threads every one of them became a per-request heap copy, and with platform pools a value
-//! leaked from one request into the next whenever a thread was reused. A task-local has neither
-//! problem: it lives exactly as long as the request's future, it is visible to every `.await`
+//! Request data kept per thread is wrong both ways: with a thread per request every value is a
+//! per-request copy, and with a reused pool thread a value leaks from one request into the
+//! next. A task-local has neither problem: it lives exactly as long as the request's future, it is visible to every `.await`
 //! inside that future regardless of which worker thread polls it, and it is invisible to every
 //! other task. The one thing it does not do is follow work into `tokio::spawn`ed tasks; such
 //! work must be wrapped with [`scope`] (see [`spawn`]) explicitly — which is why the fan-out
 //! runs its parts as futures inside the request task instead of spawning them.
 //!
-//! The context is set once, by the request layer in `http::layers`, and read wherever needed:
-//! the log span, outgoing downstream headers, database statement timeouts.
+//! The context is set once, by the request layer (`http::middleware::request_context`), and
+//! read wherever needed: the log span, outgoing downstream headers, database statement
+//! timeouts, and every bound on the request's time ([`deadline`], [`remaining`]).
 
 use std::{
     fmt,

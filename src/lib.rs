@@ -1,8 +1,8 @@
 //! tributary: a gateway-aggregation (BFF) service — one request in, a concurrent fan-out to
-//! five services and Postgres, one merged answer out — built so that the failure modes Java
-//! teams met on the way from thread pools to virtual threads (pinned carriers, ThreadLocal
-//! copies, mismatched pools, overload avalanches) are handled by construction and visible in
-//! metrics.
+//! five services and Postgres, one merged answer out — built so that the failure modes of
+//! cheap concurrency (a worker thread held by blocking work, request data copied or leaked
+//! between requests, pools sized against each other, overload that turns into an avalanche)
+//! are handled by construction and visible in metrics.
 //!
 //! The tree reads as the architecture:
 //! - [`config`]: typed settings, layered and validated once;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# seed-baseline: the reports' headline test on one gateway core: 500 connections, every
+# seed-baseline: the headline test on one gateway core: 500 connections, every
 # downstream a fixed 100 ms, the dashboard endpoint, 60 s after a warm-up.
 # shellcheck source-path=SCRIPTDIR source=../lib/common.sh
 source "$(dirname "$0")/../lib/common.sh"

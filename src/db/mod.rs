@@ -1,8 +1,8 @@
 //! The Postgres pool and everything that touches it.
 //!
-//! The pool is the gateway's scarcest resource: the field reports' HikariCP pool of 30 behind
-//! thousands of virtual threads is exactly where their latency went. So every acquire is
-//! measured, and the time spent *waiting* for a pooled connection is kept apart from the time
+//! The pool is the gateway's scarcest resource: thousands of cheap concurrent requests in front
+//! of a few dozen connections is exactly where latency goes when it is sized wrong. So every
+//! acquire is measured, and the time spent *waiting* for a pooled connection is kept apart from the time
 //! spent *opening* one (sqlx reports neither; see [`Db::acquire`]). Every statement runs with a
 //! `statement_timeout` derived from the request's remaining budget, so a query is never left
 //! running on the server after its caller has given up.

@@ -2,7 +2,7 @@
 //!
 //! Each [`Downstream`] owns everything about calling one service: its base URL, its timeout,
 //! its bulkhead (a bound on concurrent calls, so one slow dependency cannot absorb all the
-//! gateway's capacity — the reports' pool-mismatch lesson), its circuit breaker, its retry
+//! gateway's capacity), its circuit breaker, its retry
 //! budget and its instruments. Handlers never touch `reqwest`.
 //!
 //! Every call is bounded by the request's deadline: the effective timeout is
