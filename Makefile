@@ -26,6 +26,7 @@ test:
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --all-targets --locked -- -D warnings -D clippy::await_holding_lock
+	cargo clippy --all-targets --locked --no-default-features -- -D warnings
 
 fmt:
 	cargo fmt --all

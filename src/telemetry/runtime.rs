@@ -1,7 +1,10 @@
 //! The async runtime's own health, and the process's.
 //!
-//! - per-worker busy ratio, poll counts, alive tasks, queue depths and the blocking pool,
-//!   sampled from the runtime's own metrics once a second;
+//! - per-worker busy ratio, alive tasks and the global queue depth, sampled from the runtime's
+//!   metrics once a second; with `--cfg tokio_unstable` (set in `.cargo/config.toml`) also the
+//!   poll count and the blocking pool's threads and queue, which tokio offers only under that
+//!   cfg. A build without it (a `RUSTFLAGS` from the environment replaces the config file's)
+//!   leaves those three families out, of the catalogue as well as of the exposition;
 //! - scheduling lag, measured by a heartbeat task that asks to wake every 100 ms and records
 //!   how late it actually ran (a saturated or blocked runtime wakes it late);
 //! - long polls: [`PollTimer`] times every poll of a request's future, and a poll that holds a
@@ -28,6 +31,7 @@ pub const WORKER_BUSY_RATIO: Family = Family::gauge(
     "tributary_runtime_worker_busy_ratio",
     "Share of the last sampling interval each worker spent busy.",
 );
+#[cfg(tokio_unstable)]
 pub const POLLS: Family = Family::counter(
     "tributary_runtime_polls_total",
     "Task polls across all workers.",
@@ -36,10 +40,12 @@ pub const LONG_POLLS: Family = Family::counter(
     "tributary_runtime_long_polls_total",
     "Polls of request futures that held a worker longer than telemetry.long_poll_threshold.",
 );
+#[cfg(tokio_unstable)]
 pub const BLOCKING_THREADS: Family = Family::gauge(
     "tributary_runtime_blocking_threads",
     "Threads in the blocking pool.",
 );
+#[cfg(tokio_unstable)]
 pub const BLOCKING_QUEUE_DEPTH: Family = Family::gauge(
     "tributary_runtime_blocking_queue_depth",
     "Tasks queued for the blocking pool.",
@@ -81,9 +87,12 @@ pub const START_TIME: Family = Family::gauge(
 pub const FAMILIES: &[Family] = &[
     WORKERS,
     WORKER_BUSY_RATIO,
+    #[cfg(tokio_unstable)]
     POLLS,
     LONG_POLLS,
+    #[cfg(tokio_unstable)]
     BLOCKING_THREADS,
+    #[cfg(tokio_unstable)]
     BLOCKING_QUEUE_DEPTH,
     ALIVE_TASKS,
     GLOBAL_QUEUE_DEPTH,
@@ -160,6 +169,7 @@ async fn sample_runtime(shutdown: CancellationToken) {
     let workers_gauge = metrics::gauge!(WORKERS.name);
     let alive = metrics::gauge!(ALIVE_TASKS.name);
     let global = metrics::gauge!(GLOBAL_QUEUE_DEPTH.name);
+    #[cfg(tokio_unstable)]
     let mut unstable = Unstable::new(&rt);
     let mut last_busy: Vec<Duration> = (0..workers)
         .map(|w| rt.worker_total_busy_duration(w))
@@ -182,12 +192,14 @@ async fn sample_runtime(shutdown: CancellationToken) {
         }
         alive.set(rt.num_alive_tasks() as f64);
         global.set(rt.global_queue_depth() as f64);
+        #[cfg(tokio_unstable)]
         unstable.sample(&rt);
         super::logs::record_dropped_lines();
     }
 }
 
-/// The samples that need `--cfg tokio_unstable` (set in `.cargo/config.toml`).
+/// The samples that need `--cfg tokio_unstable`.
+#[cfg(tokio_unstable)]
 struct Unstable {
     polls: Counter,
     last_polls: u64,
@@ -195,6 +207,7 @@ struct Unstable {
     blocking_queue: Gauge,
 }
 
+#[cfg(tokio_unstable)]
 impl Unstable {
     fn new(rt: &tokio::runtime::RuntimeMetrics) -> Self {
         Self {
