@@ -47,7 +47,7 @@ pub struct Admission {
 impl Admission {
     /// Builds one limiter per group and starts the once-a-second bookkeeping task, which stops
     /// when `shutdown` is cancelled.
-    pub fn new(settings: &Settings, shutdown: CancellationToken) -> Arc<Self> {
+    pub(crate) fn new(settings: &Settings, shutdown: CancellationToken) -> Arc<Self> {
         let shedding = Arc::new(AtomicBool::new(false));
         let shedding_gauge = metrics::gauge!(SHEDDING.name);
         shedding_gauge.set(0.0);
@@ -77,7 +77,7 @@ impl Admission {
     }
 
     /// True while shedding has been heavy (readiness reports not-ready).
-    pub fn is_shedding(&self) -> bool {
+    pub(crate) fn is_shedding(&self) -> bool {
         self.shedding.load(Ordering::Relaxed)
     }
 
@@ -175,33 +175,33 @@ async fn bookkeeping(
 
 /// A request was not admitted.
 #[derive(Debug, Clone, Copy)]
-pub struct Rejected {
+pub(crate) struct Rejected {
     pub retry_after: Duration,
 }
 
-pub const PERMITS_IN_USE: Family = Family::gauge(
+pub(crate) const PERMITS_IN_USE: Family = Family::gauge(
     "tributary_admission_permits_in_use",
     "Admission permits held by in-flight requests, per route group.",
 );
-pub const LIMIT: Family = Family::gauge(
+pub(crate) const LIMIT: Family = Family::gauge(
     "tributary_admission_limit",
     "Current admission limit per route group (static, or the adaptive limit).",
 );
-pub const WAIT: Family = Family::seconds(
+pub(crate) const WAIT: Family = Family::seconds(
     "tributary_admission_wait_seconds",
     "Time requests waited for an admission permit.",
 );
-pub const REJECTIONS: Family = Family::counter(
+pub(crate) const REJECTIONS: Family = Family::counter(
     "tributary_admission_rejections_total",
     "Requests rejected with 503 by admission control, by group and reason.",
 );
-pub const SHEDDING: Family = Family::gauge(
+pub(crate) const SHEDDING: Family = Family::gauge(
     "tributary_admission_shedding",
     "1 while admission has been shedding heavily (readiness is false), else 0.",
 );
 
 /// The families this module records.
-pub const FAMILIES: &[Family] = &[PERMITS_IN_USE, LIMIT, WAIT, REJECTIONS, SHEDDING];
+pub(crate) const FAMILIES: &[Family] = &[PERMITS_IN_USE, LIMIT, WAIT, REJECTIONS, SHEDDING];
 
 /// One route group's instruments.
 struct Instruments {
@@ -290,7 +290,7 @@ impl Limiter {
     }
 
     /// Waits at most `max_wait` for a permit.
-    pub async fn acquire(self: &Arc<Self>) -> Result<Permit, Rejected> {
+    pub(crate) async fn acquire(self: &Arc<Self>) -> Result<Permit, Rejected> {
         let started = Instant::now();
         let permit = match Arc::clone(&self.semaphore).try_acquire_owned() {
             Ok(p) => p,
@@ -425,7 +425,7 @@ impl Drop for Waiting<'_> {
 }
 
 /// An admitted request's slot; returned on drop, however the request ends.
-pub struct Permit {
+pub(crate) struct Permit {
     limiter: Arc<Limiter>,
     permit: Option<OwnedSemaphorePermit>,
     started: Instant,
@@ -443,7 +443,7 @@ impl Drop for Permit {
 /// agree (within `tolerance`) the limit grows by about √limit per window, when latency rises
 /// the limit shrinks proportionally (never below half per step). Samples are averaged over
 /// windows of at least 100 ms and 10 requests, so one slow request does not move it.
-pub struct Gradient2 {
+pub(crate) struct Gradient2 {
     min: f64,
     max: f64,
     tolerance: f64,
@@ -461,7 +461,7 @@ impl Gradient2 {
     const MIN_SAMPLES: u32 = 10;
     const LONG_WINDOW: f64 = 600.0;
 
-    pub fn new(s: &AdaptiveSettings) -> Self {
+    pub(crate) fn new(s: &AdaptiveSettings) -> Self {
         Self {
             min: s.min_limit.get() as f64,
             max: s.max_limit as f64,
@@ -477,7 +477,12 @@ impl Gradient2 {
     }
 
     /// Feeds one completed request; returns a new limit when a window closes.
-    pub fn sample(&mut self, rtt: Duration, in_flight: usize, _current: usize) -> Option<usize> {
+    pub(crate) fn sample(
+        &mut self,
+        rtt: Duration,
+        in_flight: usize,
+        _current: usize,
+    ) -> Option<usize> {
         self.window_sum += rtt.as_secs_f64();
         self.window_n += 1;
         self.window_max_in_flight = self.window_max_in_flight.max(in_flight);

@@ -11,7 +11,7 @@
 //!
 //! The last one fails silently until the fleet scales out: each replica's pool is fine, and the
 //! replicas together ask the server for more connections than it has, with connection
-//! timeouts as the only symptom; start-up warns about it ([`check_pool_budget`]).
+//! timeouts as the only symptom; start-up warns about it (`check_pool_budget`).
 
 use std::{fmt, time::Duration};
 
@@ -141,7 +141,7 @@ impl fmt::Display for Report<'_> {
 }
 
 /// Start-up check of the configured pool against the fleet budget; returns warnings.
-pub fn check_pool_budget(db: &DatabaseSettings) -> Vec<String> {
+pub(crate) fn check_pool_budget(db: &DatabaseSettings) -> Vec<String> {
     let budget = db
         .server_max_connections
         .saturating_sub(db.reserved_connections);
@@ -212,7 +212,10 @@ mod tests {
             "  fleet ceiling       = (100 − 10) / 2 = 45 per replica",
             "  fits the fleet budget: yes",
         ] {
-            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
         }
     }
 

@@ -50,7 +50,7 @@ pub struct TraceIds {
 }
 
 impl RequestContext {
-    pub fn new(request_id: Arc<str>, trace: TraceIds, deadline: Instant) -> Self {
+    pub(crate) fn new(request_id: Arc<str>, trace: TraceIds, deadline: Instant) -> Self {
         Self {
             request_id,
             trace,
@@ -86,7 +86,7 @@ impl RequestContext {
 }
 
 /// A W3C `traceparent` value (version 00) from ids that format as lowercase hex.
-pub fn traceparent(
+pub(crate) fn traceparent(
     trace_id: impl fmt::Display,
     span_id: impl fmt::Display,
     sampled: bool,
@@ -111,7 +111,7 @@ pub fn current() -> Option<Arc<RequestContext>> {
 /// calls a client directly): long, but still a bound.
 const OUTSIDE_A_REQUEST: Duration = Duration::from_secs(30);
 
-/// The current request's deadline; outside a request, [`OUTSIDE_A_REQUEST`] from now.
+/// The current request's deadline; outside a request, `OUTSIDE_A_REQUEST` from now.
 pub fn deadline() -> Instant {
     current().map_or_else(|| Instant::now() + OUTSIDE_A_REQUEST, |c| c.deadline)
 }

@@ -19,10 +19,10 @@ use serde::Serialize;
 
 use crate::{db::DbError, domain::Service, downstream::CallError};
 
-pub const PROBLEM_JSON: &str = "application/problem+json";
+pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 
 #[derive(Debug, thiserror::Error)]
-pub enum ApiError {
+pub(crate) enum ApiError {
     /// 400: a path parameter, header or body field is invalid.
     #[error("invalid {field}: {detail}")]
     Validation { field: String, detail: String },
@@ -89,7 +89,7 @@ impl From<DbError> for ApiError {
 }
 
 impl ApiError {
-    pub fn validation(field: impl Into<String>, detail: impl Into<String>) -> Self {
+    pub(crate) fn validation(field: impl Into<String>, detail: impl Into<String>) -> Self {
         ApiError::Validation {
             field: field.into(),
             detail: detail.into(),
@@ -101,11 +101,11 @@ impl ApiError {
     /// full gateway's 503, an open circuit's 503, a deadline's 504, every 4xx); they are in
     /// the access line and the metrics, and logging each at ERROR would flood the log exactly
     /// during the overload they report.
-    pub fn is_unexpected(&self) -> bool {
+    pub(crate) fn is_unexpected(&self) -> bool {
         matches!(self, ApiError::Internal(_) | ApiError::BadGateway { .. })
     }
 
-    pub fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         match self {
             ApiError::Validation { .. } => StatusCode::BAD_REQUEST,
             ApiError::NotFound => StatusCode::NOT_FOUND,
@@ -199,7 +199,7 @@ impl ApiError {
 
 /// An error and all its causes on one line (`a: b: c`), for logs: reqwest and hyper keep the
 /// interesting part (connection refused, reset by peer) in the source chain.
-pub fn chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(cause) = source {
@@ -212,7 +212,7 @@ pub fn chain(e: &dyn std::error::Error) -> String {
 
 /// RFC 9457 problem details.
 #[derive(Debug, Serialize)]
-pub struct Problem {
+pub(crate) struct Problem {
     #[serde(rename = "type")]
     pub kind: String,
     pub title: &'static str,

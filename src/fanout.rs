@@ -27,25 +27,25 @@ use crate::{
     telemetry::Family,
 };
 
-pub const CRITICAL_PATH: Family = Family::counter(
+pub(crate) const CRITICAL_PATH: Family = Family::counter(
     "tributary_fanout_critical_path_total",
     "Dashboard requests by the part that was slowest (the critical path).",
 );
-pub const GATEWAY_OVERHEAD: Family = Family::seconds(
+pub(crate) const GATEWAY_OVERHEAD: Family = Family::seconds(
     "tributary_fanout_gateway_overhead_seconds",
     "Request time minus the slowest part: the gateway's own overhead.",
 );
-pub const DEGRADED: Family = Family::counter(
+pub(crate) const DEGRADED: Family = Family::counter(
     "tributary_fanout_degraded_total",
     "Optional dashboard parts returned as null, by part and reason.",
 );
 
 /// The families this module records.
-pub const FAMILIES: &[Family] = &[CRITICAL_PATH, GATEWAY_OVERHEAD, DEGRADED];
+pub(crate) const FAMILIES: &[Family] = &[CRITICAL_PATH, GATEWAY_OVERHEAD, DEGRADED];
 
 /// The merged response.
 #[derive(Debug, Serialize)]
-pub struct Dashboard {
+pub(crate) struct Dashboard {
     pub user_id: i64,
     pub profile: Box<RawValue>,
     pub cart: Option<Box<RawValue>>,
@@ -59,14 +59,14 @@ pub struct Dashboard {
 
 /// Per-part durations for `Server-Timing`.
 #[derive(Debug, Default)]
-pub struct Timings {
+pub(crate) struct Timings {
     parts: Vec<(Part, Duration)>,
     total: Duration,
 }
 
 impl Timings {
     /// `Server-Timing: users;dur=12.1, carts;dur=9.8, ..., gateway;dur=0.3, total;dur=12.6`
-    pub fn header_value(&self) -> String {
+    pub(crate) fn header_value(&self) -> String {
         let mut out = String::with_capacity(160);
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         for (part, d) in &self.parts {
@@ -103,7 +103,7 @@ fn db_outcome(e: &DbError) -> Outcome {
 }
 
 /// Runs the fan-out for one user: the five services' parts and the recent orders.
-pub async fn dashboard(
+pub(crate) async fn dashboard(
     downstreams: &Downstreams,
     db: &Db,
     metrics: &FanoutMetrics,
@@ -197,14 +197,14 @@ fn degrade(degraded: &mut Vec<&'static str>, part: Part, reason: Outcome) {
 }
 
 /// The fan-out's per-request instruments, registered once.
-pub struct FanoutMetrics {
+pub(crate) struct FanoutMetrics {
     /// By the part that was slowest, indexed by [`Part`].
     critical_path: [Counter; 6],
     overhead: Histogram,
 }
 
 impl FanoutMetrics {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             critical_path: Part::ALL
                 .map(|part| metrics::counter!(CRITICAL_PATH.name, "part" => part.label())),

@@ -95,24 +95,24 @@ use crate::{
 };
 
 /// How often quiet clients are dropped from the local limiter's map.
-pub const SWEEP_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// How often a Redis marked down is probed again.
-pub const REDIS_RETRY_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const REDIS_RETRY_EVERY: Duration = Duration::from_secs(1);
 /// Budget for opening a connection and loading the script, at start-up and in probes. Longer
 /// than `redis_timeout`: a connection set-up (TCP, TLS, AUTH) is not a request's round trip,
 /// and it happens off the request path.
-pub const REDIS_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+pub(crate) const REDIS_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// While Redis stays down, how often the outage is logged again.
-pub const OUTAGE_LOG_EVERY: Duration = Duration::from_secs(60);
+pub(crate) const OUTAGE_LOG_EVERY: Duration = Duration::from_secs(60);
 /// Prefix of every Redis key this module writes.
-pub const REDIS_KEY_PREFIX: &str = "tributary:ratelimit:";
+pub(crate) const REDIS_KEY_PREFIX: &str = "tributary:ratelimit:";
 
 /// GCRA in one atomic step. `KEYS[1]`: the client. `ARGV[1]`: emission interval `T` in µs.
 /// `ARGV[2]`: burst. Returns `{allowed (0|1), remaining, retry_after µs, reset µs}`, where
 /// reset is the time until the bucket is full again. Times are Redis's own (`TIME`), in µs,
 /// which Lua's doubles hold exactly; values written back go through `%d` so that no digit is
 /// lost to Lua's default number formatting.
-pub const GCRA_SCRIPT: &str = r#"
+pub(crate) const GCRA_SCRIPT: &str = r#"
 if redis.replicate_commands then redis.replicate_commands() end
 local t = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
@@ -131,25 +131,25 @@ redis.call('SET', KEYS[1], string.format('%d', new_tat), 'PX', string.format('%d
 return {1, math.floor((now + tau + t - new_tat) / t), 0, new_tat - now}
 "#;
 
-pub const REJECTIONS: Family = Family::counter(
+pub(crate) const REJECTIONS: Family = Family::counter(
     "tributary_ratelimit_rejections_total",
     "Requests rejected with 429 by per-client rate limiting, by backend.",
 );
-pub const REDIS_FALLBACKS: Family = Family::counter(
+pub(crate) const REDIS_FALLBACKS: Family = Family::counter(
     "tributary_ratelimit_redis_fallbacks_total",
     "Rate-limit decisions that fell back to the local limiter because Redis was slow or down.",
 );
-pub const REDIS_DURATION: Family = Family::seconds(
+pub(crate) const REDIS_DURATION: Family = Family::seconds(
     "tributary_ratelimit_redis_duration_seconds",
     "Duration of Redis rate-limit decisions, by outcome (ok, error, timeout).",
 );
-pub const LOCAL_KEYS: Family = Family::gauge(
+pub(crate) const LOCAL_KEYS: Family = Family::gauge(
     "tributary_ratelimit_local_keys",
     "Clients tracked by this replica's local rate limiter after the last sweep.",
 );
 
 /// The families this module records.
-pub const FAMILIES: &[Family] = &[REJECTIONS, REDIS_FALLBACKS, REDIS_DURATION, LOCAL_KEYS];
+pub(crate) const FAMILIES: &[Family] = &[REJECTIONS, REDIS_FALLBACKS, REDIS_DURATION, LOCAL_KEYS];
 
 /// 429s by the backend that decided them; the `redis` series exists only with Redis.
 struct Rejections {
@@ -195,7 +195,7 @@ const RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remai
 const RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
 
 /// What the limiter decided, with the headers the response should carry.
-pub enum Decision {
+pub(crate) enum Decision {
     /// Go on; the response carries `RateLimit-*`.
     Allowed { headers: HeaderMap },
     /// 429; `retry_after` becomes `Retry-After` (at least 1 s) next to `RateLimit-*`.
@@ -216,7 +216,7 @@ type LocalState = governor::RateLimiter<
 >;
 
 /// The per-client rate limiter: Redis-shared when configured, local otherwise and as fallback.
-pub struct RateLimiter {
+pub(crate) struct RateLimiter {
     keys: ClientKeyExtractor,
     burst: u32,
     period: Duration,
@@ -230,7 +230,7 @@ impl RateLimiter {
     /// script within [`REDIS_CONNECT_TIMEOUT`]; an unreachable Redis is logged, not an error.
     /// Its background tasks (the sweeper, a Redis prober during an outage) stop when
     /// `shutdown` is cancelled.
-    pub async fn new(
+    pub(crate) async fn new(
         settings: &RateLimitSettings,
         shutdown: CancellationToken,
     ) -> anyhow::Result<Self> {
@@ -263,7 +263,7 @@ impl RateLimiter {
     }
 
     /// Decides one request. Never fails: Redis trouble falls back to the local limiter.
-    pub async fn check(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Decision {
+    pub(crate) async fn check(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Decision {
         let key = self.keys.key(headers, peer);
         let (verdict, rejections) = match &self.redis {
             Some(redis) => match redis.decide(&key).await {
@@ -364,7 +364,7 @@ fn spawn_sweeper(local: Arc<LocalState>, shutdown: CancellationToken) {
 
 /// A client's identity for rate limiting: a 16-byte digest of what identifies it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct ClientKey([u8; 16]);
+pub(crate) struct ClientKey([u8; 16]);
 
 impl ClientKey {
     fn digest(kind: &str, value: &[u8]) -> Self {
@@ -378,7 +378,7 @@ impl ClientKey {
     }
 
     /// The client's key in Redis.
-    pub fn redis_key(&self) -> String {
+    pub(crate) fn redis_key(&self) -> String {
         format!("{REDIS_KEY_PREFIX}{}", hex::encode(self.0))
     }
 }
@@ -391,14 +391,14 @@ impl fmt::Debug for ClientKey {
 
 /// Who is asking: the API key or the client IP, per `rate_limit.key`.
 #[derive(Debug, Clone)]
-pub struct ClientKeyExtractor {
+pub(crate) struct ClientKeyExtractor {
     by: RateLimitKey,
     api_key_header: HeaderName,
     trusted: Arc<[Cidr]>,
 }
 
 impl ClientKeyExtractor {
-    pub fn new(settings: &RateLimitSettings) -> Self {
+    pub(crate) fn new(settings: &RateLimitSettings) -> Self {
         Self {
             by: settings.key,
             api_key_header: settings.api_key_header.clone(),
@@ -407,7 +407,7 @@ impl ClientKeyExtractor {
     }
 
     /// The key of the client that sent these headers over a connection from `peer`.
-    pub fn key(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> ClientKey {
+    pub(crate) fn key(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> ClientKey {
         if self.by == RateLimitKey::ApiKey
             && let Some(api_key) = headers.get(&self.api_key_header).filter(|v| !v.is_empty())
         {
@@ -437,7 +437,11 @@ impl KeyExtractor for ClientKeyExtractor {
 /// is walked from the right past trusted proxies, and the first untrusted entry is the client.
 /// An entry that does not parse stops the walk at the last trusted hop: anything further left
 /// could have been written by anyone.
-pub fn client_ip(headers: &HeaderMap, peer: Option<IpAddr>, trusted: &[Cidr]) -> Option<IpAddr> {
+pub(crate) fn client_ip(
+    headers: &HeaderMap,
+    peer: Option<IpAddr>,
+    trusted: &[Cidr],
+) -> Option<IpAddr> {
     let peer = peer?.to_canonical();
     let is_trusted = |ip: IpAddr| trusted.iter().any(|c| c.contains(ip));
     if !is_trusted(peer) {

@@ -6,6 +6,6 @@
 
 /// Installs the ring provider as the process's default; a second install is harmless (tests
 /// build many clients), so its error is ignored.
-pub fn install_provider() {
+pub(crate) fn install_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }

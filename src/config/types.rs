@@ -119,11 +119,11 @@ pub(super) fn at_least_one<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Er
 pub(super) mod positive_duration {
     use super::*;
 
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
         humantime_serde::serialize(d, s)
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         let value: Duration = humantime_serde::deserialize(d)?;
         if value.is_zero() {
             return Err(D::Error::custom("must be greater than zero"));
@@ -138,11 +138,11 @@ pub(super) mod header_name {
 
     use super::*;
 
-    pub fn serialize<S: Serializer>(h: &HeaderName, s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<S: Serializer>(h: &HeaderName, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(h.as_str())
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<HeaderName, D::Error> {
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<HeaderName, D::Error> {
         let name = String::deserialize(d)?;
         HeaderName::from_bytes(name.as_bytes())
             .map_err(|_| D::Error::custom(format!("{name:?} is not a valid header name")))

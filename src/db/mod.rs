@@ -3,12 +3,12 @@
 //! The pool is the gateway's scarcest resource: thousands of cheap concurrent requests in front
 //! of a few dozen connections is exactly where latency goes when it is sized wrong. So every
 //! acquire is measured, and the time spent *waiting* for a pooled connection is kept apart from the time
-//! spent *opening* one (sqlx reports neither; see [`Db::acquire`]). Every statement runs with a
+//! spent *opening* one (sqlx reports neither; see `Db::acquire`). Every statement runs with a
 //! `statement_timeout` derived from the request's remaining budget, so a query is never left
 //! running on the server after its caller has given up.
 
-pub mod orders;
-pub mod seed;
+pub(crate) mod orders;
+mod seed;
 
 use std::{
     cell::Cell,
@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{config::DatabaseSettings, telemetry::Family};
 
 /// The migrations in `migrations/`, embedded in the binary.
-pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+pub(crate) static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 
 /// Statement timeouts are never set below this: a budget that small cannot do useful work, and
 /// the caller will not start the query at all (see [`Db::acquire_for_request`]).
@@ -53,37 +53,37 @@ pub struct Db {
     metrics: Arc<PoolMetrics>,
 }
 
-pub const POOL_CONNECTIONS: Family = Family::gauge(
+pub(crate) const POOL_CONNECTIONS: Family = Family::gauge(
     "tributary_db_pool_connections",
     "Database pool connections by state (idle, in_use).",
 );
-pub const POOL_MAX_CONNECTIONS: Family = Family::gauge(
+pub(crate) const POOL_MAX_CONNECTIONS: Family = Family::gauge(
     "tributary_db_pool_max_connections",
     "Configured maximum size of the database pool.",
 );
-pub const POOL_WAITERS: Family = Family::gauge(
+pub(crate) const POOL_WAITERS: Family = Family::gauge(
     "tributary_db_pool_waiters",
     "Tasks currently waiting to acquire a database connection.",
 );
-pub const POOL_ACQUIRE_WAIT: Family = Family::seconds(
+pub(crate) const POOL_ACQUIRE_WAIT: Family = Family::seconds(
     "tributary_db_pool_acquire_wait_seconds",
     "Time spent waiting for a pooled database connection (acquires that reused one).",
 );
-pub const POOL_CONNECT_DURATION: Family = Family::seconds(
+pub(crate) const POOL_CONNECT_DURATION: Family = Family::seconds(
     "tributary_db_pool_connect_duration_seconds",
     "Time of request acquires that had to open a new database connection (connections opened in the background for min_connections are not requests' latency and are not included).",
 );
-pub const POOL_ACQUIRE_TIMEOUTS: Family = Family::counter(
+pub(crate) const POOL_ACQUIRE_TIMEOUTS: Family = Family::counter(
     "tributary_db_pool_acquire_timeouts_total",
     "Acquires that gave up waiting for a database connection.",
 );
-pub const QUERY_DURATION: Family = Family::seconds(
+pub(crate) const QUERY_DURATION: Family = Family::seconds(
     "tributary_db_query_duration_seconds",
     "Database statement latency by statement name.",
 );
 
 /// The families this module records.
-pub const FAMILIES: &[Family] = &[
+pub(crate) const FAMILIES: &[Family] = &[
     POOL_CONNECTIONS,
     POOL_MAX_CONNECTIONS,
     POOL_WAITERS,
@@ -111,7 +111,7 @@ struct PoolMetrics {
 
 /// The statements the gateway runs: the bounded `statement` label of query metrics and spans.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Statement {
+pub(crate) enum Statement {
     RecentOrders = 0,
     GetOrder = 1,
     CreateOrder = 2,
@@ -139,7 +139,7 @@ impl PoolMetrics {
 impl Statement {
     const ALL: [Statement; 3] = [Self::RecentOrders, Self::GetOrder, Self::CreateOrder];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Self::RecentOrders => "recent_orders",
             Self::GetOrder => "get_order",
@@ -151,7 +151,7 @@ impl Statement {
 /// Why a database operation produced no result. The HTTP status each one means is decided in
 /// `error.rs`, not here.
 #[derive(Debug, thiserror::Error)]
-pub enum DbError {
+pub(crate) enum DbError {
     /// The request's remaining budget is too small to run a statement.
     #[error("request budget exhausted before the database was reached")]
     BudgetExhausted,
@@ -208,7 +208,7 @@ impl Db {
         Ok(db)
     }
 
-    pub fn pool(&self) -> &PgPool {
+    pub(crate) fn pool(&self) -> &PgPool {
         &self.pool
     }
 
@@ -219,7 +219,7 @@ impl Db {
     }
 
     /// Readiness: the database answers and every embedded migration has been applied.
-    pub async fn is_ready(&self) -> Result<(), String> {
+    pub(crate) async fn is_ready(&self) -> Result<(), String> {
         let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
         let check = async {
             let mut conn = self.acquire(Duration::from_secs(1)).await?;
@@ -246,7 +246,7 @@ impl Db {
 
     /// Samples the pool's occupancy into its gauges once a second until `shutdown` is
     /// cancelled (sqlx reports no events to count, so occupancy is polled).
-    pub fn spawn_pool_sampler(&self, shutdown: CancellationToken) {
+    pub(crate) fn spawn_pool_sampler(&self, shutdown: CancellationToken) {
         let db = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(POOL_SAMPLE_EVERY);
@@ -271,7 +271,7 @@ impl Db {
     /// acquire timeout). Records waiting and connecting separately: an acquire that had to open
     /// a connection is recorded as connect time (its permit wait is part of it, and is short
     /// whenever a slot was free to open), every other acquire as wait time.
-    pub async fn acquire(
+    pub(crate) async fn acquire(
         &self,
         max_wait: Duration,
     ) -> Result<PoolConnection<sqlx::Postgres>, DbError> {
@@ -316,7 +316,7 @@ impl Db {
     /// the session's `statement_timeout` before its statements ([`set_statement_timeout`], or
     /// inline in the same round trip), so the server abandons a statement its caller can no
     /// longer use.
-    pub async fn acquire_for_request(
+    pub(crate) async fn acquire_for_request(
         &self,
     ) -> Result<(PoolConnection<sqlx::Postgres>, Duration), DbError> {
         let deadline = crate::context::deadline();
@@ -335,14 +335,14 @@ impl Db {
     }
 
     /// Times a statement under its name.
-    pub fn query_timer(&self, statement: Statement) -> QueryTimer {
+    pub(crate) fn query_timer(&self, statement: Statement) -> QueryTimer {
         QueryTimer {
             histogram: self.metrics.queries[statement as usize].clone(),
             started: Instant::now(),
         }
     }
 
-    pub async fn close(&self) {
+    pub(crate) async fn close(&self) {
         self.pool.close().await;
     }
 }
@@ -385,7 +385,7 @@ impl Drop for WaiterGuard<'_> {
 }
 
 /// Records a statement's latency under its bounded `statement` label when dropped.
-pub struct QueryTimer {
+pub(crate) struct QueryTimer {
     histogram: Histogram,
     started: Instant,
 }

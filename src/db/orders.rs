@@ -15,7 +15,7 @@ use super::{Db, DbError, Statement};
 
 /// One line of the dashboard's `recent_orders`.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
-pub struct OrderSummary {
+pub(crate) struct OrderSummary {
     pub id: i64,
     pub status: String,
     pub total_cents: i64,
@@ -24,13 +24,13 @@ pub struct OrderSummary {
 
 /// A validated order request (see `http::orders` for validation).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct NewOrder {
+pub(crate) struct NewOrder {
     pub user_id: i64,
     pub items: Vec<NewItem>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct NewItem {
+pub(crate) struct NewItem {
     pub sku: String,
     pub quantity: i32,
     pub unit_price_cents: i64,
@@ -38,7 +38,7 @@ pub struct NewItem {
 
 /// An order as returned by the API.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Order {
+pub(crate) struct Order {
     pub id: i64,
     pub user_id: i64,
     pub status: String,
@@ -49,7 +49,7 @@ pub struct Order {
 
 /// What happened to a create request.
 #[derive(Debug)]
-pub enum CreateOutcome {
+pub(crate) enum CreateOutcome {
     /// A new order was written; `body` is the stored response.
     Created { body: String },
     /// The key was seen before with the same request: the original response, verbatim.
@@ -71,7 +71,7 @@ fn span(statement: Statement) -> tracing::Span {
 
 impl Db {
     /// The user's five most recent orders.
-    pub async fn recent_orders(&self, user_id: i64) -> Result<Vec<OrderSummary>, DbError> {
+    pub(crate) async fn recent_orders(&self, user_id: i64) -> Result<Vec<OrderSummary>, DbError> {
         async {
             let (mut conn, budget) = self.acquire_for_request().await?;
             let _t = self.query_timer(Statement::RecentOrders);
@@ -98,7 +98,7 @@ impl Db {
     }
 
     /// Reads one order with its items.
-    pub async fn get_order(&self, id: i64) -> Result<Option<Order>, DbError> {
+    pub(crate) async fn get_order(&self, id: i64) -> Result<Option<Order>, DbError> {
         async {
             let (mut conn, budget) = self.acquire_for_request().await?;
             super::set_statement_timeout(&mut conn, budget).await?;
@@ -128,7 +128,7 @@ impl Db {
 
     /// Creates an order under an idempotency key in one transaction.
     /// `request_hash` identifies the request body (same key + same hash = replay).
-    pub async fn create_order(
+    pub(crate) async fn create_order(
         &self,
         key: &str,
         request_hash: &[u8],

@@ -36,7 +36,7 @@ use crate::{
 use breaker::Breaker;
 
 /// Header carrying the caller's remaining budget in whole milliseconds.
-pub const BUDGET_HEADER: &str = "x-request-budget-ms";
+pub(crate) const BUDGET_HEADER: &str = "x-request-budget-ms";
 
 /// A call is not started with less budget than this left: it could not complete anyway.
 const MIN_CALL_BUDGET: Duration = Duration::from_millis(2);
@@ -46,7 +46,7 @@ const MAX_BODY_BYTES: usize = 1024 * 1024;
 
 /// How a downstream call ended; also the `outcome` metric label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     Ok,
     Error,
     Timeout,
@@ -56,7 +56,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 6] = [
+    pub(crate) const ALL: [Outcome; 6] = [
         Outcome::Ok,
         Outcome::Error,
         Outcome::Timeout,
@@ -65,7 +65,7 @@ impl Outcome {
         Outcome::BudgetExhausted,
     ];
 
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Outcome::Ok => "ok",
             Outcome::Error => "error",
@@ -79,7 +79,7 @@ impl Outcome {
 
 /// Why a call produced no usable body.
 #[derive(Debug, thiserror::Error)]
-pub enum CallError {
+pub(crate) enum CallError {
     #[error("{service} timed out")]
     Timeout { service: Service },
     #[error("{service} answered {status}")]
@@ -101,7 +101,7 @@ pub enum CallError {
 }
 
 impl CallError {
-    pub fn outcome(&self) -> Outcome {
+    pub(crate) fn outcome(&self) -> Outcome {
         match self {
             CallError::Timeout { .. } => Outcome::Timeout,
             CallError::Status { .. }
@@ -125,7 +125,7 @@ impl CallError {
 
 /// The shared HTTP client: one connection pool for all downstreams, keep-alive on, sized for
 /// the admission limit so that steady load reuses connections instead of opening new ones.
-pub fn build_client(settings: &HttpClientSettings) -> anyhow::Result<reqwest::Client> {
+pub(crate) fn build_client(settings: &HttpClientSettings) -> anyhow::Result<reqwest::Client> {
     crate::tls::install_provider();
     Ok(reqwest::Client::builder()
         .pool_max_idle_per_host(settings.pool_max_idle_per_host)
@@ -137,33 +137,33 @@ pub fn build_client(settings: &HttpClientSettings) -> anyhow::Result<reqwest::Cl
         .build()?)
 }
 
-pub const REQUEST_DURATION: Family = Family::seconds(
+pub(crate) const REQUEST_DURATION: Family = Family::seconds(
     "tributary_downstream_request_duration_seconds",
     "Duration of downstream calls, by service and outcome.",
 );
-pub const REQUESTS: Family = Family::counter(
+pub(crate) const REQUESTS: Family = Family::counter(
     "tributary_downstream_requests_total",
     "Downstream calls by service and outcome (ok, error, timeout, shed, circuit_open, budget_exhausted).",
 );
-pub const IN_FLIGHT: Family = Family::gauge(
+pub(crate) const IN_FLIGHT: Family = Family::gauge(
     "tributary_downstream_in_flight",
     "Downstream calls in flight per service (bulkhead occupancy).",
 );
-pub const CIRCUIT_STATE: Family = Family::gauge(
+pub(crate) const CIRCUIT_STATE: Family = Family::gauge(
     "tributary_downstream_circuit_state",
     "Circuit breaker state per service: 0 closed, 1 half-open, 2 open.",
 );
-pub const RETRIES: Family = Family::counter(
+pub(crate) const RETRIES: Family = Family::counter(
     "tributary_downstream_retries_total",
     "Retried downstream calls per service.",
 );
-pub const HEDGES: Family = Family::counter(
+pub(crate) const HEDGES: Family = Family::counter(
     "tributary_downstream_hedges_total",
     "Hedged second requests sent per service.",
 );
 
 /// The families this module records.
-pub const FAMILIES: &[Family] = &[
+pub(crate) const FAMILIES: &[Family] = &[
     REQUEST_DURATION,
     REQUESTS,
     IN_FLIGHT,
@@ -221,7 +221,7 @@ pub struct Downstream {
 
 impl Downstream {
     /// The client for `service`, from its settings and the shared breaker and retry settings.
-    pub fn new(service: Service, settings: &Settings, client: reqwest::Client) -> Self {
+    pub(crate) fn new(service: Service, settings: &Settings, client: reqwest::Client) -> Self {
         let (breaker, retry) = (&settings.circuit_breaker, &settings.retry);
         let own = settings.downstreams.get(service);
         let base = own.base_url.as_str().trim_end_matches('/');
@@ -262,7 +262,7 @@ impl Downstream {
 
     /// `GET {base}/{service}/{user_id}`: the body, validated as JSON and kept as raw text so it
     /// can be embedded in the response without a parse-and-reserialise round trip.
-    pub async fn fetch_user_part(&self, user_id: i64) -> Result<Box<RawValue>, CallError> {
+    pub(crate) async fn fetch_user_part(&self, user_id: i64) -> Result<Box<RawValue>, CallError> {
         let span = tracing::info_span!(
             "downstream.call",
             otel.name = %format_args!("GET /{}/{{user_id}}", self.service),
@@ -487,7 +487,7 @@ pub struct Downstreams {
 }
 
 impl Downstreams {
-    pub fn new(settings: &Settings, client: reqwest::Client) -> Self {
+    pub(crate) fn new(settings: &Settings, client: reqwest::Client) -> Self {
         Self {
             clients: Service::ALL.map(|service| Downstream::new(service, settings, client.clone())),
         }

@@ -12,7 +12,7 @@ use crate::{error::ApiError, fanout};
 
 static SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
 
-pub async fn get_dashboard(
+pub(super) async fn get_dashboard(
     State(state): State<AppState>,
     PositiveId(user_id): PositiveId,
 ) -> Result<Response, ApiError> {

@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 use crate::error::ApiError;
 
 /// A positive 64-bit id from the single path parameter (`{user_id}`, `{id}`).
-pub struct PositiveId(pub i64);
+pub(super) struct PositiveId(pub i64);
 
 impl<S: Send + Sync> FromRequestParts<S> for PositiveId {
     type Rejection = ApiError;
@@ -29,7 +29,7 @@ impl<S: Send + Sync> FromRequestParts<S> for PositiveId {
     }
 }
 
-pub fn parse_positive_id(raw: &str) -> Option<i64> {
+pub(super) fn parse_positive_id(raw: &str) -> Option<i64> {
     // Digits only: no sign, no whitespace, no leading '+', which `str::parse` would accept.
     if raw.is_empty() || !raw.bytes().all(|b| b.is_ascii_digit()) {
         return None;
@@ -38,7 +38,7 @@ pub fn parse_positive_id(raw: &str) -> Option<i64> {
 }
 
 /// A JSON body whose errors say which field was wrong (`items[1].quantity: invalid type ...`).
-pub struct JsonBody<T>(pub T);
+pub(super) struct JsonBody<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     type Rejection = ApiError;
@@ -81,7 +81,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
 
 /// The configured body limit, for the 413 problem's detail.
 #[derive(Clone, Copy)]
-pub struct BodyLimit(pub usize);
+pub(super) struct BodyLimit(pub usize);
 
 #[cfg(test)]
 mod tests {

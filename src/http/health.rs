@@ -14,11 +14,11 @@ use serde_json::json;
 
 use super::AppState;
 
-pub async fn healthz() -> impl IntoResponse {
+pub(super) async fn healthz() -> impl IntoResponse {
     Json(json!({ "status": "ok" }))
 }
 
-pub async fn readyz(State(state): State<AppState>) -> Response {
+pub(super) async fn readyz(State(state): State<AppState>) -> Response {
     let database = state.db.is_ready().await;
     let shedding = state.admission.as_ref().is_some_and(|a| a.is_shedding());
     let draining = state.draining.load(std::sync::atomic::Ordering::Relaxed);
@@ -37,7 +37,7 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
     (status, Json(body)).into_response()
 }
 
-pub async fn metrics(State(state): State<AppState>) -> Response {
+pub(super) async fn metrics(State(state): State<AppState>) -> Response {
     match state.telemetry.render_metrics() {
         Some(text) => (
             [(

@@ -39,7 +39,7 @@ const REQUEST_ID: &str = "x-request-id";
 
 /// The status recorded for a request whose client went away before it was answered (the
 /// convention nginx started): no response was sent, so no real status exists.
-pub const CLIENT_CLOSED_REQUEST: u16 = 499;
+pub(super) const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 /// How long after its deadline the edge gives up on a request. Every part of a request bounds
 /// itself by the deadline and answers for itself (a degraded part, a 504 of its own); the edge
@@ -74,7 +74,7 @@ fn route_label(route: Option<&MatchedPath>) -> &str {
 
 /// Request id, deadline and trace context into the task-local; the request span around the
 /// rest of the stack.
-pub async fn request_context(
+pub(super) async fn request_context(
     State(state): State<AppState>,
     request: Request,
     next: Next,
@@ -142,7 +142,7 @@ pub async fn request_context(
 
 /// RED metrics, the access line and the error log, written once per request by a guard; runs
 /// inside the request span and context.
-pub async fn record(
+pub(super) async fn record(
     State(telemetry): State<Arc<Telemetry>>,
     request: Request,
     next: Next,
@@ -234,7 +234,7 @@ impl Drop for Finish<'_> {
 
 /// Long-poll detection: a poll of the request future that holds the worker thread longer than
 /// `telemetry.long_poll_threshold` is counted and logged.
-pub async fn watch_polls(
+pub(super) async fn watch_polls(
     State(telemetry): State<Arc<Telemetry>>,
     request: Request,
     next: Next,
@@ -244,7 +244,7 @@ pub async fn watch_polls(
 
 /// The configured header limits, answered with a problem document. hyper enforces twice these
 /// values as the hard memory bound and answers beyond that with a bare 431 of its own.
-pub async fn header_limits(
+pub(super) async fn header_limits(
     State(server): State<Arc<ServerSettings>>,
     request: Request,
     next: Next,
@@ -273,7 +273,7 @@ pub async fn header_limits(
 
 /// Bounds the rest of the stack by the request's deadline (plus [`DEADLINE_GRACE`]): a 504,
 /// and everything the request held (an admission permit, a pooled connection) let go.
-pub async fn deadline(request: Request, next: Next) -> axum::response::Response {
+pub(super) async fn deadline(request: Request, next: Next) -> axum::response::Response {
     let deadline = context::deadline() + DEADLINE_GRACE;
     match tokio::time::timeout_at(deadline, next.run(request)).await {
         Ok(response) => response,
@@ -282,7 +282,7 @@ pub async fn deadline(request: Request, next: Next) -> axum::response::Response 
 }
 
 /// Admission for one route group (only mounted when admission control is enabled).
-pub async fn admission(
+pub(super) async fn admission(
     State(limiter): State<Arc<Limiter>>,
     request: Request,
     next: Next,
@@ -302,7 +302,7 @@ pub async fn admission(
 }
 
 /// Per-client rate limiting, 429 (only mounted when it is enabled).
-pub async fn rate_limit(
+pub(super) async fn rate_limit(
     State(limiter): State<Arc<RateLimiter>>,
     request: Request,
     next: Next,
@@ -329,7 +329,7 @@ pub async fn rate_limit(
 }
 
 /// A panic inside a handler: an opaque 500 problem, logged once with the panic message.
-pub fn panic_response(err: Box<dyn Any + Send + 'static>) -> Response<axum::body::Body> {
+pub(super) fn panic_response(err: Box<dyn Any + Send + 'static>) -> Response<axum::body::Body> {
     let message = err
         .downcast_ref::<String>()
         .map(String::as_str)

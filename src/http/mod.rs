@@ -4,11 +4,11 @@
 //! metrics routes sit outside admission and rate limiting: they must answer precisely when the
 //! gateway is overloaded, and they are cheap.
 
-pub mod dashboard;
-pub mod extract;
-pub mod health;
-pub mod middleware;
-pub mod orders;
+mod dashboard;
+mod extract;
+mod health;
+mod middleware;
+mod orders;
 
 use std::sync::{Arc, atomic::AtomicBool};
 
@@ -33,12 +33,12 @@ pub struct AppState {
     pub db: Db,
     pub downstreams: Arc<Downstreams>,
     pub admission: Option<Arc<Admission>>,
-    pub rate_limiter: Option<Arc<RateLimiter>>,
-    pub telemetry: Arc<Telemetry>,
+    pub(crate) rate_limiter: Option<Arc<RateLimiter>>,
+    pub(crate) telemetry: Arc<Telemetry>,
     /// The dashboard fan-out's critical-path counters and overhead histogram.
-    pub fanout_metrics: Arc<FanoutMetrics>,
+    pub(crate) fanout_metrics: Arc<FanoutMetrics>,
     /// Set once shutdown has begun: readiness turns false so load balancers stop routing here.
-    pub draining: Arc<AtomicBool>,
+    pub(crate) draining: Arc<AtomicBool>,
 }
 
 /// The whole application as a pure value: tests can drive it with `oneshot` or serve it.

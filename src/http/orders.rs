@@ -24,21 +24,21 @@ const MAX_ITEMS: usize = 100;
 /// The request body as sent; validated into a [`NewOrder`].
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct CreateOrder {
+pub(super) struct CreateOrder {
     pub user_id: i64,
     pub items: Vec<CreateItem>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct CreateItem {
+pub(super) struct CreateItem {
     pub sku: String,
     pub quantity: i32,
     pub unit_price_cents: i64,
 }
 
 /// Checks every field and computes the total; the error names the first bad field.
-pub fn validate(req: CreateOrder) -> Result<(NewOrder, i64), ApiError> {
+pub(super) fn validate(req: CreateOrder) -> Result<(NewOrder, i64), ApiError> {
     if req.user_id <= 0 {
         return Err(ApiError::validation(
             "user_id",
@@ -121,7 +121,7 @@ fn idempotency_key(headers: &HeaderMap) -> Result<String, ApiError> {
     Ok(key.to_owned())
 }
 
-pub async fn create_order(
+pub(super) async fn create_order(
     State(state): State<AppState>,
     headers: HeaderMap,
     JsonBody(body): JsonBody<CreateOrder>,
@@ -165,7 +165,7 @@ fn stored_response(status: StatusCode, body: String, replayed: bool) -> Response
     response
 }
 
-pub async fn get_order(
+pub(super) async fn get_order(
     State(state): State<AppState>,
     PositiveId(id): PositiveId,
 ) -> Result<Response, ApiError> {

@@ -25,7 +25,7 @@ use std::{
 use tracing_subscriber::fmt::MakeWriter;
 
 /// How long a line may wait in memory before it is written.
-pub const FLUSH_EVERY: Duration = Duration::from_millis(50);
+pub(super) const FLUSH_EVERY: Duration = Duration::from_millis(50);
 
 struct Shared {
     pending: Mutex<Vec<u8>>,
@@ -45,17 +45,17 @@ impl Shared {
 
 /// The `MakeWriter` handed to the log layer. Cheap to clone.
 #[derive(Clone)]
-pub struct LogSink(Arc<Shared>);
+pub(super) struct LogSink(Arc<Shared>);
 
 /// Stops the writer thread and writes out every buffered line when dropped.
-pub struct LogSinkGuard {
+pub(super) struct LogSinkGuard {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl LogSink {
     /// Starts the writer thread for `out`; at most `capacity` bytes wait in memory.
-    pub fn spawn<W: Write + Send + 'static>(
+    pub(super) fn spawn<W: Write + Send + 'static>(
         out: W,
         capacity: usize,
     ) -> io::Result<(Self, LogSinkGuard)> {
@@ -82,7 +82,7 @@ impl LogSink {
     }
 
     /// Lines dropped so far because the buffer was full.
-    pub fn dropped_lines(&self) -> u64 {
+    pub(super) fn dropped_lines(&self) -> u64 {
         self.0.dropped.load(Ordering::Relaxed)
     }
 }
@@ -137,7 +137,7 @@ impl Drop for LogSinkGuard {
 
 /// One line being formatted: collected here and appended whole when dropped, so lines from
 /// different workers never interleave and a line that does not fit is dropped entirely.
-pub struct Line<'a> {
+pub(super) struct Line<'a> {
     shared: &'a Shared,
     buf: Vec<u8>,
 }

@@ -21,13 +21,13 @@ use tracing_subscriber::{
 use super::{REQUEST_SPAN, log_sink::LogSink, metrics::Family, trace};
 use crate::config::{LogFormat, TelemetrySettings};
 
-pub const LINES_DROPPED: Family = Family::counter(
+pub(crate) const LINES_DROPPED: Family = Family::counter(
     "tributary_log_lines_dropped_total",
     "Log lines dropped because the log sink's buffer was full (stdout not keeping up).",
 );
 
 /// The families this module records.
-pub const FAMILIES: &[Family] = &[LINES_DROPPED];
+pub(crate) const FAMILIES: &[Family] = &[LINES_DROPPED];
 
 /// The process's log sink, for the count of lines it dropped because its buffer was full.
 static LOG_SINK: OnceLock<LogSink> = OnceLock::new();

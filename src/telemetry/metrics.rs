@@ -111,25 +111,25 @@ impl Family {
     }
 }
 
-pub const REQUEST_DURATION: Family = Family::seconds(
+pub(crate) const REQUEST_DURATION: Family = Family::seconds(
     "http_server_request_duration_seconds",
     "Duration of HTTP server requests, by route template, method and status code.",
 );
-pub const REQUESTS: Family = Family::counter(
+pub(crate) const REQUESTS: Family = Family::counter(
     "tributary_http_requests_total",
     "HTTP requests served, by route template, method and status class.",
 );
-pub const ACTIVE_REQUESTS: Family = Family::gauge(
+pub(crate) const ACTIVE_REQUESTS: Family = Family::gauge(
     "http_server_active_requests",
     "HTTP requests currently being served.",
 );
-pub const BUILD_INFO: Family = Family::gauge(
+pub(crate) const BUILD_INFO: Family = Family::gauge(
     "tributary_build_info",
     "Build information: version and git revision.",
 );
 
 /// The families this module records.
-pub const FAMILIES: &[Family] = &[REQUEST_DURATION, REQUESTS, ACTIVE_REQUESTS, BUILD_INFO];
+pub(crate) const FAMILIES: &[Family] = &[REQUEST_DURATION, REQUESTS, ACTIVE_REQUESTS, BUILD_INFO];
 
 /// Installs the Prometheus recorder (once per process; later calls return the same handle),
 /// describes every family in `catalogue`, and starts the recorder's upkeep and the process
@@ -258,7 +258,7 @@ impl RequestInstruments {
 }
 
 /// Counts a request as active for as long as it lives.
-pub struct ActiveGuard<'a>(&'a Gauge);
+pub(crate) struct ActiveGuard<'a>(&'a Gauge);
 
 impl<'a> ActiveGuard<'a> {
     pub(super) fn new(gauge: &'a Gauge) -> Self {

@@ -1,21 +1,21 @@
 //! Logs, traces, metrics and the async runtime's own health, one module per signal:
-//! - [`logs`]: the `tracing` subscriber, its filter and line format, over the [`log_sink`]
+//! - `logs`: the `tracing` subscriber, its filter and line format, over the `log_sink`
 //!   that keeps workers from ever waiting on stdout;
-//! - [`trace`]: W3C trace context in and out, and the OpenTelemetry exporter (behind the
+//! - `trace`: W3C trace context in and out, and the OpenTelemetry exporter (behind the
 //!   `otel` feature);
-//! - [`metrics`]: the Prometheus recorder, the [`metrics::Family`] type every module declares
+//! - `metrics`: the Prometheus recorder, the [`metrics::Family`] type every module declares
 //!   its metrics with, and the per-request RED instruments;
-//! - [`runtime`]: runtime and process samplers, and the long-poll detector.
+//! - `runtime`: runtime and process samplers, and the long-poll detector.
 //!
 //! This module is a leaf: it knows the configuration and the request context, nothing that
 //! records. The modules that record metrics declare their families themselves, and the
-//! application hands the catalogue to [`Telemetry::new`].
+//! application hands the catalogue to `Telemetry::new`.
 
 mod log_sink;
-pub mod logs;
-pub mod metrics;
-pub mod runtime;
-pub mod trace;
+pub(crate) mod logs;
+pub(crate) mod metrics;
+pub(crate) mod runtime;
+pub(crate) mod trace;
 
 use std::{sync::Arc, time::Duration};
 
@@ -24,18 +24,18 @@ use axum::http::Method;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 pub use logs::install_subscriber;
-pub use metrics::{ActiveGuard, Family};
-pub use runtime::PollTimer;
-pub use trace::{
-    TraceParent, attach_trace, local_trace_ids, otel_active, outgoing_trace_headers,
-    parse_traceparent,
+pub(crate) use metrics::ActiveGuard;
+pub use metrics::{Family, Kind};
+pub(crate) use runtime::PollTimer;
+pub(crate) use trace::{
+    attach_trace, local_trace_ids, otel_active, outgoing_trace_headers, parse_traceparent,
 };
 
 use crate::config::TelemetrySettings;
 use log_sink::{LogSink, LogSinkGuard};
 
 /// The name of the one span per request; the log layer sees no other span.
-pub const REQUEST_SPAN: &str = "http.request";
+pub(crate) const REQUEST_SPAN: &str = "http.request";
 
 /// At most this many bytes of log lines wait in memory for the writer thread (about 10,000
 /// request lines); beyond it lines are dropped and counted.
@@ -76,7 +76,7 @@ pub fn init_tracing(settings: &TelemetrySettings) -> anyhow::Result<TracingGuard
 }
 
 /// Instruments shared by every request, created once.
-pub struct Telemetry {
+pub(crate) struct Telemetry {
     settings: TelemetrySettings,
     handle: Option<PrometheusHandle>,
     requests: metrics::RequestInstruments,
@@ -87,7 +87,10 @@ pub struct Telemetry {
 impl Telemetry {
     /// Installs the Prometheus recorder (once per process) and describes every family of
     /// `catalogue`, the application's metrics.
-    pub fn new(settings: &TelemetrySettings, catalogue: &[&[Family]]) -> anyhow::Result<Arc<Self>> {
+    pub(crate) fn new(
+        settings: &TelemetrySettings,
+        catalogue: &[&[Family]],
+    ) -> anyhow::Result<Arc<Self>> {
         let handle = if settings.metrics_enabled {
             Some(metrics::install_recorder(catalogue)?)
         } else {
@@ -103,17 +106,23 @@ impl Telemetry {
     }
 
     /// The Prometheus exposition; `None` when metrics are disabled.
-    pub fn render_metrics(&self) -> Option<String> {
+    pub(crate) fn render_metrics(&self) -> Option<String> {
         self.handle.as_ref().map(PrometheusHandle::render)
     }
 
     /// Counts a request as active until the guard is dropped.
-    pub fn active_request(&self) -> ActiveGuard<'_> {
+    pub(crate) fn active_request(&self) -> ActiveGuard<'_> {
         ActiveGuard::new(&self.active)
     }
 
     /// RED metrics by route template.
-    pub fn record_request(&self, route: &str, method: &Method, status: u16, elapsed: Duration) {
+    pub(crate) fn record_request(
+        &self,
+        route: &str,
+        method: &Method,
+        status: u16,
+        elapsed: Duration,
+    ) {
         if self.handle.is_none() {
             return;
         }

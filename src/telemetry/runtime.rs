@@ -26,65 +26,67 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Telemetry, metrics::Family};
 
-pub const WORKERS: Family = Family::gauge("tributary_runtime_workers", "Tokio worker threads.");
-pub const WORKER_BUSY_RATIO: Family = Family::gauge(
+pub(crate) const WORKERS: Family =
+    Family::gauge("tributary_runtime_workers", "Tokio worker threads.");
+pub(crate) const WORKER_BUSY_RATIO: Family = Family::gauge(
     "tributary_runtime_worker_busy_ratio",
     "Share of the last sampling interval each worker spent busy.",
 );
 #[cfg(tokio_unstable)]
-pub const POLLS: Family = Family::counter(
+pub(crate) const POLLS: Family = Family::counter(
     "tributary_runtime_polls_total",
     "Task polls across all workers.",
 );
-pub const LONG_POLLS: Family = Family::counter(
+pub(crate) const LONG_POLLS: Family = Family::counter(
     "tributary_runtime_long_polls_total",
     "Polls of request futures that held a worker longer than telemetry.long_poll_threshold.",
 );
 #[cfg(tokio_unstable)]
-pub const BLOCKING_THREADS: Family = Family::gauge(
+pub(crate) const BLOCKING_THREADS: Family = Family::gauge(
     "tributary_runtime_blocking_threads",
     "Threads in the blocking pool.",
 );
 #[cfg(tokio_unstable)]
-pub const BLOCKING_QUEUE_DEPTH: Family = Family::gauge(
+pub(crate) const BLOCKING_QUEUE_DEPTH: Family = Family::gauge(
     "tributary_runtime_blocking_queue_depth",
     "Tasks queued for the blocking pool.",
 );
-pub const ALIVE_TASKS: Family = Family::gauge(
+pub(crate) const ALIVE_TASKS: Family = Family::gauge(
     "tributary_runtime_alive_tasks",
     "Tasks alive in the runtime.",
 );
-pub const GLOBAL_QUEUE_DEPTH: Family = Family::gauge(
+pub(crate) const GLOBAL_QUEUE_DEPTH: Family = Family::gauge(
     "tributary_runtime_global_queue_depth",
     "Tasks waiting in the runtime's global (injection) queue.",
 );
-pub const SCHEDULING_LAG: Family = Family::seconds(
+pub(crate) const SCHEDULING_LAG: Family = Family::seconds(
     "tributary_runtime_scheduling_lag_seconds",
     "How late a 100 ms heartbeat timer task actually ran.",
 );
-pub const RESIDENT_MEMORY: Family = Family::gauge(
+pub(crate) const RESIDENT_MEMORY: Family = Family::gauge(
     "process_resident_memory_bytes",
     "Resident memory size in bytes.",
 )
 .in_unit(Unit::Bytes);
-pub const CPU_SECONDS: Family = Family::counter(
+pub(crate) const CPU_SECONDS: Family = Family::counter(
     "process_cpu_seconds_total",
     "Total user and system CPU time spent in seconds.",
 )
 .in_unit(Unit::Seconds);
-pub const OPEN_FDS: Family = Family::gauge("process_open_fds", "Number of open file descriptors.");
-pub const MAX_FDS: Family = Family::gauge(
+pub(crate) const OPEN_FDS: Family =
+    Family::gauge("process_open_fds", "Number of open file descriptors.");
+pub(crate) const MAX_FDS: Family = Family::gauge(
     "process_max_fds",
     "Maximum number of open file descriptors.",
 );
-pub const START_TIME: Family = Family::gauge(
+pub(crate) const START_TIME: Family = Family::gauge(
     "process_start_time_seconds",
     "Start time of the process since unix epoch in seconds.",
 )
 .in_unit(Unit::Seconds);
 
 /// The families this module records.
-pub const FAMILIES: &[Family] = &[
+pub(crate) const FAMILIES: &[Family] = &[
     WORKERS,
     WORKER_BUSY_RATIO,
     #[cfg(tokio_unstable)]
@@ -115,7 +117,7 @@ pin_project_lite::pin_project! {
 }
 
 impl<'a, F> PollTimer<'a, F> {
-    pub fn new(inner: F, telemetry: &'a Telemetry) -> Self {
+    pub(crate) fn new(inner: F, telemetry: &'a Telemetry) -> Self {
         Self { inner, telemetry }
     }
 }
@@ -137,7 +139,7 @@ impl<F: Future> Future for PollTimer<'_, F> {
 
 /// Starts the heartbeat and the once-a-second runtime sampler on the current runtime; both
 /// stop when `shutdown` is cancelled.
-pub fn spawn_samplers(shutdown: CancellationToken) {
+pub(crate) fn spawn_samplers(shutdown: CancellationToken) {
     tokio::spawn(heartbeat(shutdown.clone()));
     tokio::spawn(sample_runtime(shutdown));
 }

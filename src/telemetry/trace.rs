@@ -19,20 +19,20 @@ pub(super) fn set_otel_active(active: bool) {
 }
 
 /// Whether spans are exported through OpenTelemetry (an OTLP endpoint is configured).
-pub fn otel_active() -> bool {
+pub(crate) fn otel_active() -> bool {
     OTEL_ACTIVE.get().copied().unwrap_or(false)
 }
 
 /// A parsed W3C `traceparent`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TraceParent {
+pub(crate) struct TraceParent {
     pub trace_id: String,
     pub parent_id: String,
     pub sampled: bool,
 }
 
 /// Parses `traceparent` (version 00), rejecting malformed or all-zero ids as the spec requires.
-pub fn parse_traceparent(headers: &HeaderMap) -> Option<TraceParent> {
+pub(crate) fn parse_traceparent(headers: &HeaderMap) -> Option<TraceParent> {
     let v = headers.get("traceparent")?.to_str().ok()?;
     let mut parts = v.trim().split('-');
     let (version, trace_id, parent_id, flags) =
@@ -63,7 +63,7 @@ fn random_hex(bytes: usize) -> String {
 /// W3C trace headers for an outgoing call made now: the current span's ids when spans are
 /// exported (so the callee's spans hang under this call's span), the request's otherwise; the
 /// caller's `tracestate` is passed on either way.
-pub fn outgoing_trace_headers() -> (Option<String>, Option<String>) {
+pub(crate) fn outgoing_trace_headers() -> (Option<String>, Option<String>) {
     let ctx = crate::context::current();
     let tracestate = ctx.as_ref().and_then(|c| c.trace.tracestate.clone());
     #[cfg(feature = "otel")]
@@ -77,7 +77,7 @@ pub fn outgoing_trace_headers() -> (Option<String>, Option<String>) {
 
 /// Links `span` to the caller's trace and returns the ids the exported span got, when spans are
 /// exported; `None` otherwise (use [`local_trace_ids`]).
-pub fn attach_trace(span: &tracing::Span, headers: &HeaderMap) -> Option<TraceIds> {
+pub(crate) fn attach_trace(span: &tracing::Span, headers: &HeaderMap) -> Option<TraceIds> {
     #[cfg(feature = "otel")]
     if otel_active() {
         return otel::attach(span, headers);
@@ -89,7 +89,7 @@ pub fn attach_trace(span: &tracing::Span, headers: &HeaderMap) -> Option<TraceId
 /// Trace ids for a request when spans are not exported: the caller's trace id (or a new one),
 /// a new span id for this hop, and the caller's `tracestate` passed on. They go into logs and
 /// into the `traceparent` of every downstream call, so traces still join up across services.
-pub fn local_trace_ids(incoming: Option<&TraceParent>, headers: &HeaderMap) -> TraceIds {
+pub(crate) fn local_trace_ids(incoming: Option<&TraceParent>, headers: &HeaderMap) -> TraceIds {
     let tracestate = incoming
         .and(headers.get("tracestate"))
         .and_then(|v| v.to_str().ok())
