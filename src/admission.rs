@@ -16,6 +16,10 @@
 //!
 //! Permits are RAII guards: a request that ends in any way — response, error, panic, client
 //! disconnect — returns its permit, so in-flight counts always go back to zero.
+//!
+//! The limiter, its bookkeeping and Gradient2 stay in one file (a little over 600 lines with
+//! the tests): they are one mechanism, and the adaptive algorithm reads best beside the
+//! semaphore whose size it moves.
 
 use std::{
     sync::{
