@@ -92,21 +92,17 @@ impl Settings {
         if let Some(directives) = sources.var("RUST_LOG").filter(|v| !v.trim().is_empty()) {
             figment = figment.merge(("telemetry.log_level", directives));
         }
-        match extract(&figment) {
-            Ok(settings) => {
-                if let Err(ConfigError::Invalid(crossed)) = settings.validate() {
-                    problems.extend(crossed);
-                }
-                if problems.is_empty() {
-                    Ok(settings)
-                } else {
-                    Err(ConfigError::Invalid(problems))
-                }
-            }
-            Err(invalid) => {
-                problems.extend(invalid);
-                Err(ConfigError::Invalid(problems))
-            }
+        let (settings, invalid) = extract(&figment);
+        problems.extend(invalid);
+        // The rules that relate two keys are checked even when some value did not parse (on
+        // what did, with defaults for the rest), so that one run reports every problem.
+        if let Some(Err(ConfigError::Invalid(crossed))) = settings.as_ref().map(Settings::validate)
+        {
+            problems.extend(crossed);
+        }
+        match settings {
+            Some(settings) if problems.is_empty() => Ok(settings),
+            _ => Err(ConfigError::Invalid(problems)),
         }
     }
 }
@@ -190,15 +186,16 @@ fn unknown_variable(name: &str, known: &[String]) -> String {
 /// Extracts the settings, reporting every value that does not parse rather than only the
 /// first: serde stops at the first error, so each offending key is set aside (removed, so that
 /// its default applies) and the extraction repeated, until it succeeds or nothing is left to
-/// set aside. Each round removes a key, so the loop ends.
-fn extract(figment: &Figment) -> Result<Settings, Vec<String>> {
+/// set aside. Each round removes a key, so the loop ends. Returns the settings with the
+/// offending keys at their defaults, when that much could be read, and the problems.
+fn extract(figment: &Figment) -> (Option<Settings>, Vec<String>) {
     let mut error = match figment.extract::<Settings>() {
-        Ok(settings) => return Ok(settings),
+        Ok(settings) => return (Some(settings), Vec::new()),
         Err(e) => e,
     };
     let mut problems = Vec::new();
     let Ok(mut data) = figment.extract::<Dict>() else {
-        return Err(error.into_iter().map(|e| describe(&e)).collect());
+        return (None, error.into_iter().map(|e| describe(&e)).collect());
     };
     loop {
         let mut set_aside = false;
@@ -211,10 +208,10 @@ fn extract(figment: &Figment) -> Result<Settings, Vec<String>> {
             set_aside |= remove(&mut data, &path);
         }
         if !set_aside {
-            return Err(problems);
+            return (None, problems);
         }
         match Figment::from(Serialized::defaults(&data)).extract::<Settings>() {
-            Ok(_) => return Err(problems),
+            Ok(rest) => return (Some(rest), problems),
             Err(e) => error = e,
         }
     }

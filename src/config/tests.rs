@@ -121,6 +121,19 @@ fn values_that_break_their_type_are_all_reported_with_their_path() {
 }
 
 #[test]
+fn a_value_that_does_not_parse_and_a_rule_between_two_keys_are_reported_together() {
+    let err = problems(&[
+        ("TRIBUTARY_DATABASE__MIN_CONNECTIONS", "50"),
+        ("TRIBUTARY_SERVER__REQUEST_DEADLINE", "0s"),
+    ]);
+    assert_eq!(
+        err,
+        "invalid configuration: server.request_deadline: must be greater than zero; \
+         database.min_connections (50) is greater than database.max_connections (20)"
+    );
+}
+
+#[test]
 fn min_above_max_and_crossed_ratios_are_reported() {
     let err = problems(&[
         ("TRIBUTARY_DATABASE__MIN_CONNECTIONS", "30"),
