@@ -21,6 +21,8 @@ use axum::http::Method;
 use metrics::{Counter, Gauge, Histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+use crate::build_info;
+
 /// Latency buckets that resolve both 1 ms and 1 s.
 const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -156,9 +158,12 @@ pub(super) fn install_recorder(catalogue: &[&[Family]]) -> anyhow::Result<Promet
                     }
                 })?;
             super::runtime::spawn_process_sampler()?;
-            let version = env!("CARGO_PKG_VERSION");
-            let revision = option_env!("TRIBUTARY_GIT_REVISION").unwrap_or("unknown");
-            metrics::gauge!(BUILD_INFO.name, "version" => version, "revision" => revision).set(1.0);
+            metrics::gauge!(
+                BUILD_INFO.name,
+                "version" => build_info::VERSION,
+                "revision" => build_info::REVISION
+            )
+            .set(1.0);
             handle
         }
     };

@@ -7,9 +7,9 @@
 //!   its metrics with, and the per-request RED instruments;
 //! - `runtime`: runtime and process samplers, and the long-poll detector.
 //!
-//! This module is a leaf: it knows the configuration and the request context, nothing that
-//! records. The modules that record metrics declare their families themselves, and the
-//! application hands the catalogue to `Telemetry::new`.
+//! This module is a leaf: it knows the configuration, the build's identity and the request
+//! context, nothing that records. The modules that record metrics declare their families
+//! themselves, and the application hands the catalogue to `Telemetry::new`.
 
 mod log_sink;
 pub(crate) mod logs;
