@@ -10,7 +10,8 @@
 //!   [`build_info`] (the version and git revision the binary was built from), [`config`]
 //!   (typed settings, parsed once), [`context`] (the per-request context in a task-local),
 //!   `tls` (the process-wide TLS provider) and [`telemetry`] (logs, traces, metrics and
-//!   runtime health, one module per signal);
+//!   runtime health, one module per signal), then [`overload`] (the runtime's queueing
+//!   delay: whether the gateway's own CPU is the bottleneck);
 //! - the parts that do the work: [`db`] (the Postgres pool, queries and seed data),
 //!   [`downstream`] (one typed client per service, with bulkhead, breaker and retries),
 //!   [`admission`] and `ratelimit` (overload protection, 503, and per-client limits, 429),
@@ -38,6 +39,7 @@ pub mod downstream;
 pub(crate) mod error;
 pub(crate) mod fanout;
 pub mod http;
+pub mod overload;
 pub(crate) mod ratelimit;
 pub mod startup;
 pub mod telemetry;
@@ -61,6 +63,7 @@ mod layering {
         &["context"],
         &["tls"],
         &["telemetry"],
+        &["overload"],
         &["db", "downstream", "admission", "ratelimit", "capacity"],
         &["error"],
         &["fanout"],

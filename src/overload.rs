@@ -1,0 +1,372 @@
+//! Is the gateway's own CPU the bottleneck? The runtime's queueing delay answers it.
+//!
+//! When more arrives than a core can carry, the first thing that grows is not any latency a
+//! handler measures but the time a ready task waits before a worker polls it. Everything
+//! measured from inside a task then includes that wait: a downstream that answered in 100 ms
+//! looks as if it took 600, its timeout fires, and a circuit breaker opens on the gateway's own
+//! slowness. Admission by request latency (Gradient2) sees the same inflated number and cannot
+//! tell a slow dependency from a saturated core. Queueing delay is the signal that separates
+//! them; it is what Breakwater and Envoy's overload manager use.
+//!
+//! [`QueueDelay`] measures it with a probe: every 2 ms a plain OS thread (outside the runtime, so
+//! a stuck runtime cannot stop it) spawns a tiny task and times how long the task waits to be
+//! polled, then how long it waits once more after waking itself (which puts it at the back of
+//! its worker's local queue, behind the requests already there). A probe that gets no answer
+//! within a window counts as one that waited the whole window.
+//!
+//! Like CoDel, the decision uses the *minimum* delay over a window of 100 ms: a burst that
+//! drains quickly leaves some probe with a short wait, while a standing queue delays them all.
+//! A window is **saturated** when that minimum is above `overload.queue_delay_target` and the
+//! workers were busy for at least 90 % of it (a queue with idle workers is not CPU overload).
+//!
+//! Readers are cheap: a few relaxed atomic loads, no lock.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::{
+        Arc, Weak,
+        atomic::{AtomicU64, Ordering},
+        mpsc,
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use metrics::{Gauge, Histogram};
+use tokio::{runtime::Handle, time::Instant};
+use tokio_util::sync::CancellationToken;
+
+use crate::telemetry::Family;
+
+/// How often the probe measures.
+const PROBE_INTERVAL: Duration = Duration::from_millis(2);
+/// The window over which the minimum delay is taken (CoDel's interval).
+pub(crate) const WINDOW: Duration = Duration::from_millis(100);
+/// Below this share of busy worker time a window is never saturated.
+const BUSY_FLOOR: f64 = 0.9;
+
+pub(crate) const QUEUE_DELAY: Family = Family::seconds(
+    "tributary_runtime_queue_delay_seconds",
+    "Smallest wait of a ready task for a worker over each 100 ms window (the probe's minimum).",
+);
+pub(crate) const SATURATED: Family = Family::gauge(
+    "tributary_runtime_saturated",
+    "1 while the runtime's queueing delay has been over overload.queue_delay_target with busy workers, else 0.",
+);
+
+/// The families this module records.
+pub(crate) const FAMILIES: &[Family] = &[QUEUE_DELAY, SATURATED];
+
+/// The shared readings; written by the probe thread, read by everyone.
+struct Shared {
+    target: Duration,
+    /// Reference point of the `*_nanos` instants below.
+    epoch: Instant,
+    /// The last closed window's minimum delay.
+    current_nanos: AtomicU64,
+    /// End of the last saturated window (0: never).
+    saturated_until_nanos: AtomicU64,
+    /// End of the last window, saturated or not.
+    last_window_nanos: AtomicU64,
+}
+
+impl Shared {
+    fn nanos_at(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.epoch).as_nanos() as u64
+    }
+}
+
+/// The queueing-delay signal. Cheap to clone; the probe stops when the shutdown token is
+/// cancelled or the last clone is dropped.
+#[derive(Clone)]
+pub struct QueueDelay {
+    shared: Arc<Shared>,
+}
+
+impl QueueDelay {
+    /// Starts the probe on the current runtime.
+    pub(crate) fn spawn(target: Duration, shutdown: CancellationToken) -> Self {
+        let this = Self::manual(target);
+        let weak = Arc::downgrade(&this.shared);
+        let handle = Handle::current();
+        let spawned = std::thread::Builder::new()
+            .name("tributary-queue-probe".into())
+            .spawn(move || probe(handle, weak, shutdown));
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the queueing-delay probe; overload detection is off");
+        }
+        this
+    }
+
+    /// A signal with no probe: never saturated unless a test says so with
+    /// [`QueueDelay::observe_window`].
+    pub(crate) fn manual(target: Duration) -> Self {
+        metrics::gauge!(SATURATED.name).set(0.0);
+        Self {
+            shared: Arc::new(Shared {
+                target,
+                epoch: Instant::now(),
+                current_nanos: AtomicU64::new(0),
+                saturated_until_nanos: AtomicU64::new(0),
+                last_window_nanos: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    pub(crate) fn target(&self) -> Duration {
+        self.shared.target
+    }
+
+    /// The last window's minimum queueing delay.
+    pub(crate) fn current(&self) -> Duration {
+        Duration::from_nanos(self.shared.current_nanos.load(Ordering::Relaxed))
+    }
+
+    /// Whether the last closed window was saturated (and it closed recently: a probe that
+    /// stopped reporting is not evidence of anything).
+    pub(crate) fn is_saturated(&self) -> bool {
+        let s = &self.shared;
+        let until = s.saturated_until_nanos.load(Ordering::Relaxed);
+        until != 0
+            && until == s.last_window_nanos.load(Ordering::Relaxed)
+            && s.nanos_at(Instant::now()) <= until + 2 * WINDOW.as_nanos() as u64
+    }
+
+    /// Whether the runtime was saturated at some point since `t` (or in the window just
+    /// before it): whatever was measured from inside a task over that span includes the
+    /// gateway's own queueing.
+    pub(crate) fn saturated_since(&self, t: Instant) -> bool {
+        let until = self.shared.saturated_until_nanos.load(Ordering::Relaxed);
+        until != 0 && until + WINDOW.as_nanos() as u64 >= self.shared.nanos_at(t)
+    }
+
+    /// Whether a timer due at `due` fired more than the target late: the task that armed it
+    /// waited in the run queue, so whatever it timed out on was not the only thing slow.
+    pub(crate) fn fired_late(&self, due: Instant) -> bool {
+        Instant::now().saturating_duration_since(due) > self.shared.target
+    }
+
+    /// Closes a window with minimum delay `min_delay` and workers busy for `busy` of it.
+    pub(crate) fn observe_window(&self, min_delay: Duration, busy: f64) -> bool {
+        let s = &self.shared;
+        let now = s.nanos_at(Instant::now()).max(1);
+        s.current_nanos
+            .store(min_delay.as_nanos() as u64, Ordering::Relaxed);
+        let saturated = min_delay > s.target && busy >= BUSY_FLOOR;
+        if saturated {
+            s.saturated_until_nanos.store(now, Ordering::Relaxed);
+        }
+        s.last_window_nanos.store(now, Ordering::Relaxed);
+        saturated
+    }
+}
+
+/// The probe thread's loop; returns when shutdown is cancelled, every [`QueueDelay`] is gone,
+/// or the runtime has shut down.
+fn probe(handle: Handle, shared: Weak<Shared>, shutdown: CancellationToken) {
+    let histogram: Histogram = metrics::histogram!(QUEUE_DELAY.name);
+    let gauge: Gauge = metrics::gauge!(SATURATED.name);
+    let mut busy = Busy::new(&handle);
+    let mut window_started = std::time::Instant::now();
+    let mut window_min: Option<Duration> = None;
+    // A probe with no answer in time: the workers are stuck in polls that do not return, and
+    // their busy time is only accounted once those polls end.
+    let mut window_stuck = false;
+    let (tx, rx) = mpsc::sync_channel::<(u64, Duration)>(4);
+    let mut seq = 0u64;
+    while !shutdown.is_cancelled() {
+        seq += 1;
+        let sent = std::time::Instant::now();
+        let tx = tx.clone();
+        let this = seq;
+        let task = handle.spawn(async move {
+            let first_poll = sent.elapsed();
+            let polled = std::time::Instant::now();
+            BackOfTheQueue(false).await;
+            let _ = tx.try_send((this, first_poll.max(polled.elapsed())));
+        });
+        let sample = loop {
+            match rx.recv_timeout(WINDOW.saturating_sub(sent.elapsed())) {
+                Ok((n, sample)) if n == this => break sample,
+                // A late answer of an earlier probe.
+                Ok(_) => continue,
+                // The runtime shut down and dropped the task.
+                Err(_) if task.is_finished() => return,
+                Err(_) => {
+                    window_stuck = true;
+                    break sent.elapsed();
+                }
+            }
+        };
+        window_min = Some(window_min.map_or(sample, |m| m.min(sample)));
+        if window_started.elapsed() >= WINDOW {
+            let Some(shared) = shared.upgrade() else {
+                return;
+            };
+            let min = window_min.take().unwrap_or_default();
+            let busy = if std::mem::take(&mut window_stuck) {
+                busy.ratio(&handle).max(1.0)
+            } else {
+                busy.ratio(&handle)
+            };
+            let saturated = QueueDelay { shared }.observe_window(min, busy);
+            histogram.record(min.as_secs_f64());
+            gauge.set(if saturated { 1.0 } else { 0.0 });
+            window_started = std::time::Instant::now();
+        }
+        std::thread::sleep(PROBE_INTERVAL.saturating_sub(sent.elapsed()));
+    }
+}
+
+/// Yields once by waking itself: the task goes to the back of its worker's local queue, so
+/// the second wait measures the queue a request's continuation waits in.
+struct BackOfTheQueue(bool);
+
+impl Future for BackOfTheQueue {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.0 {
+            Poll::Ready(())
+        } else {
+            self.0 = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    }
+}
+
+/// The workers' busy share since the last call.
+struct Busy {
+    last: Duration,
+    at: std::time::Instant,
+}
+
+impl Busy {
+    fn new(handle: &Handle) -> Self {
+        Self {
+            last: Self::total(handle),
+            at: std::time::Instant::now(),
+        }
+    }
+
+    fn total(handle: &Handle) -> Duration {
+        let m = handle.metrics();
+        (0..m.num_workers())
+            .map(|w| m.worker_total_busy_duration(w))
+            .sum()
+    }
+
+    fn ratio(&mut self, handle: &Handle) -> f64 {
+        let total = Self::total(handle);
+        let workers = handle.metrics().num_workers().max(1) as f64;
+        let elapsed = self.at.elapsed().as_secs_f64() * workers;
+        let ratio = if elapsed > 0.0 {
+            total.saturating_sub(self.last).as_secs_f64() / elapsed
+        } else {
+            0.0
+        };
+        self.last = total;
+        self.at = std::time::Instant::now();
+        ratio
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TARGET: Duration = Duration::from_millis(5);
+
+    #[tokio::test(start_paused = true)]
+    async fn a_window_is_saturated_only_when_its_minimum_is_over_target_with_busy_workers() {
+        let q = QueueDelay::manual(TARGET);
+        assert!(!q.is_saturated(), "no window yet");
+        assert!(
+            !q.observe_window(Duration::from_millis(20), 0.5),
+            "idle workers"
+        );
+        assert!(
+            !q.observe_window(Duration::from_millis(4), 1.0),
+            "under target"
+        );
+        assert!(q.observe_window(Duration::from_millis(6), 0.95));
+        assert!(q.is_saturated());
+        assert_eq!(q.current(), Duration::from_millis(6));
+        tokio::time::advance(WINDOW).await;
+        q.observe_window(Duration::from_millis(1), 1.0);
+        assert!(!q.is_saturated(), "the next calm window ends it");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn saturation_is_remembered_for_calls_that_spanned_it() {
+        let q = QueueDelay::manual(TARGET);
+        let call_started = Instant::now();
+        tokio::time::advance(Duration::from_millis(50)).await;
+        q.observe_window(Duration::from_millis(50), 1.0);
+        tokio::time::advance(WINDOW).await;
+        q.observe_window(Duration::from_micros(100), 1.0);
+        assert!(!q.is_saturated());
+        assert!(
+            q.saturated_since(call_started),
+            "a call that spanned the saturated window must know it"
+        );
+        tokio::time::advance(WINDOW * 5).await;
+        assert!(
+            !q.saturated_since(Instant::now()),
+            "a call that started long after it must not"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stale_saturated_window_does_not_count_as_saturation_now() {
+        let q = QueueDelay::manual(TARGET);
+        q.observe_window(Duration::from_millis(50), 1.0);
+        tokio::time::advance(WINDOW * 3).await;
+        assert!(!q.is_saturated(), "the probe stopped reporting");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_timer_that_fires_later_than_the_target_fired_late() {
+        let q = QueueDelay::manual(TARGET);
+        let due = Instant::now();
+        tokio::time::advance(Duration::from_millis(2)).await;
+        assert!(!q.fired_late(due));
+        tokio::time::advance(Duration::from_millis(10)).await;
+        assert!(q.fired_late(due));
+    }
+
+    /// The probe itself, on a real one-worker runtime whose worker is taken by a task that
+    /// blocks it: the probe's tasks cannot be polled, so the windows are saturated.
+    #[test]
+    fn the_probe_sees_a_worker_that_is_held() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let shutdown = CancellationToken::new();
+        let q = rt.block_on(async { QueueDelay::spawn(TARGET, shutdown.clone()) });
+        // Calm first: some windows close unsaturated.
+        std::thread::sleep(WINDOW * 3);
+        assert!(!q.is_saturated(), "an idle runtime is not saturated");
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        rt.spawn(async move {
+            // Blocks the only worker until the test has seen saturation (bounded).
+            let _ = release_rx.recv_timeout(Duration::from_secs(10));
+        });
+        let mut seen = false;
+        for _ in 0..100 {
+            std::thread::sleep(WINDOW);
+            if q.is_saturated() {
+                seen = true;
+                break;
+            }
+        }
+        let _ = release_tx.send(());
+        shutdown.cancel();
+        assert!(seen, "a held worker must show as saturation");
+        assert!(q.current() > TARGET);
+    }
+}
