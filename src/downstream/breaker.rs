@@ -11,7 +11,7 @@
 
 use std::sync::Mutex;
 
-use metrics::Gauge;
+use metrics::{Counter, Gauge};
 use tokio::time::Instant;
 
 use crate::config::CircuitBreakerSettings;
@@ -24,6 +24,24 @@ pub enum State {
 }
 
 impl State {
+    const ALL: [State; 3] = [State::Closed, State::HalfOpen, State::Open];
+
+    fn index(self) -> usize {
+        match self {
+            State::Closed => 0,
+            State::HalfOpen => 1,
+            State::Open => 2,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            State::Closed => "closed",
+            State::HalfOpen => "half_open",
+            State::Open => "open",
+        }
+    }
+
     fn gauge_value(self) -> f64 {
         match self {
             State::Closed => 0.0,
@@ -94,12 +112,20 @@ pub struct Breaker {
     settings: CircuitBreakerSettings,
     inner: Mutex<Inner>,
     gauge: Gauge,
+    /// Transitions into each state: a gauge sampled every 15 s misses a circuit that opened and
+    /// closed in between; a counter does not.
+    transitions: [Counter; 3],
 }
 
 impl Breaker {
     pub fn new(name: &'static str, settings: CircuitBreakerSettings, gauge: Gauge) -> Self {
         let now = Instant::now();
         gauge.set(State::Closed.gauge_value());
+        let transitions = State::ALL.map(|to| {
+            let c = metrics::counter!(super::CIRCUIT_TRANSITIONS.name, "downstream" => name, "to" => to.label());
+            c.increment(0);
+            c
+        });
         Self {
             name,
             settings,
@@ -113,6 +139,7 @@ impl Breaker {
                 probe_successes: 0,
             }),
             gauge,
+            transitions,
         }
     }
 
@@ -211,6 +238,7 @@ impl Breaker {
     fn transition(&self, s: &mut Inner, to: State, now: Instant) {
         if s.state != to {
             tracing::warn!(downstream = self.name, from = ?s.state, to = ?to, "circuit breaker state change");
+            self.transitions[to.index()].increment(1);
         }
         s.state = to;
         s.window_started = now;

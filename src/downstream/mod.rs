@@ -10,6 +10,15 @@
 //! started, and the remaining budget travels downstream in `x-request-budget-ms` so the callee
 //! can give up in time too. Retries are for idempotent calls only, jittered, capped by a retry
 //! budget (a share of traffic), and never run past the deadline.
+//!
+//! The circuit breaker is shared by every client, so only failures that say something about
+//! the downstream may count against it. Two kinds of timeout do not ([`TimeoutCause`]): one
+//! that the caller's own tiny `x-request-budget-ms` made inevitable (or one client could open
+//! the circuit for everyone), and one that fired while the gateway's own runtime was saturated
+//! ([`crate::overload`]): the answer may well have arrived in time and waited for a worker.
+//! They are counted in `tributary_downstream_breaker_ignored_total`. While the runtime is
+//! saturated there are no retries and no hedges either: they would add load to the one
+//! resource that is short.
 
 pub mod breaker;
 
@@ -31,6 +40,7 @@ use crate::{
     config::{HttpClientSettings, RetrySettings, Settings},
     context::remaining,
     domain::Service,
+    overload::QueueDelay,
     telemetry::Family,
 };
 use breaker::Breaker;
@@ -77,11 +87,57 @@ impl Outcome {
     }
 }
 
+/// Whose fault a timeout was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TimeoutCause {
+    /// The downstream did not answer within a fair timeout: it counts against its breaker.
+    Downstream,
+    /// The caller's budget cut the call to less than half of what it would have had.
+    RequestBudget,
+    /// The gateway's runtime was saturated during the call, or the timer fired late.
+    GatewaySaturated,
+}
+
+impl TimeoutCause {
+    /// Classifies a timeout: `timeout` is what the call had, `fair` what it would have had
+    /// under the gateway's own deadline.
+    fn of(timeout: Duration, fair: Duration, fired_late: bool, saturated: bool) -> Self {
+        if fired_late || saturated {
+            TimeoutCause::GatewaySaturated
+        } else if timeout * 2 < fair {
+            TimeoutCause::RequestBudget
+        } else {
+            TimeoutCause::Downstream
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            TimeoutCause::Downstream => "downstream",
+            TimeoutCause::RequestBudget => "request_budget",
+            TimeoutCause::GatewaySaturated => "gateway_saturated",
+        }
+    }
+}
+
+impl std::fmt::Display for TimeoutCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TimeoutCause::Downstream => "no answer in time",
+            TimeoutCause::RequestBudget => "the caller's budget was too short",
+            TimeoutCause::GatewaySaturated => "the gateway was saturated",
+        })
+    }
+}
+
 /// Why a call produced no usable body.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum CallError {
-    #[error("{service} timed out")]
-    Timeout { service: Service },
+    #[error("{service} timed out: {cause}")]
+    Timeout {
+        service: Service,
+        cause: TimeoutCause,
+    },
     #[error("{service} answered {status}")]
     Status { service: Service, status: u16 },
     #[error("{service} could not be reached: {source}")]
@@ -161,6 +217,14 @@ pub(crate) const HEDGES: Family = Family::counter(
     "tributary_downstream_hedges_total",
     "Hedged second requests sent per service.",
 );
+pub(crate) const CIRCUIT_TRANSITIONS: Family = Family::counter(
+    "tributary_downstream_circuit_transitions_total",
+    "Circuit breaker state changes per service, by the state entered (closed, half_open, open).",
+);
+pub(crate) const BREAKER_IGNORED: Family = Family::counter(
+    "tributary_downstream_breaker_ignored_total",
+    "Failed downstream calls not counted against the circuit breaker, by reason (request_budget: the caller's budget was too short; gateway_saturated: the gateway's runtime was saturated).",
+);
 
 /// The families this module records.
 pub(crate) const FAMILIES: &[Family] = &[
@@ -170,6 +234,8 @@ pub(crate) const FAMILIES: &[Family] = &[
     CIRCUIT_STATE,
     RETRIES,
     HEDGES,
+    CIRCUIT_TRANSITIONS,
+    BREAKER_IGNORED,
 ];
 
 /// One service's instruments.
@@ -179,6 +245,8 @@ struct Instruments {
     hedges: Counter,
     requests: [Counter; 6],
     duration: [Histogram; 6],
+    /// By [`TimeoutCause`] other than `Downstream`: request_budget, gateway_saturated.
+    ignored: [Counter; 2],
 }
 
 impl Instruments {
@@ -193,6 +261,11 @@ impl Instruments {
             }),
             duration: Outcome::ALL.map(|o| {
                 metrics::histogram!(REQUEST_DURATION.name, "downstream" => service, "outcome" => o.as_str())
+            }),
+            ignored: [TimeoutCause::RequestBudget, TimeoutCause::GatewaySaturated].map(|c| {
+                let counter = metrics::counter!(BREAKER_IGNORED.name, "downstream" => service, "reason" => c.as_str());
+                counter.increment(0);
+                counter
             }),
         }
     }
@@ -216,12 +289,20 @@ pub struct Downstream {
     retry: RetrySettings,
     retry_budget: TpsBudget,
     client: reqwest::Client,
+    /// The gateway's own deadline: what a call's timeout is judged fair against.
+    request_deadline: Duration,
+    queue_delay: QueueDelay,
     metrics: Instruments,
 }
 
 impl Downstream {
     /// The client for `service`, from its settings and the shared breaker and retry settings.
-    pub(crate) fn new(service: Service, settings: &Settings, client: reqwest::Client) -> Self {
+    pub(crate) fn new(
+        service: Service,
+        settings: &Settings,
+        client: reqwest::Client,
+        queue_delay: QueueDelay,
+    ) -> Self {
         let (breaker, retry) = (&settings.circuit_breaker, &settings.retry);
         let own = settings.downstreams.get(service);
         let base = own.base_url.as_str().trim_end_matches('/');
@@ -243,6 +324,8 @@ impl Downstream {
                 retry.budget_ratio.get() as f32,
             ),
             client,
+            request_deadline: settings.server.request_deadline,
+            queue_delay,
             metrics: Instruments::register(service),
         }
     }
@@ -286,6 +369,7 @@ impl Downstream {
 
     async fn call(&self, user_id: i64, span: &Span) -> Result<Box<RawValue>, CallError> {
         let service = self.service;
+        let started = Instant::now();
         // A ticket rather than a bare admission: if this future is dropped mid-call, the
         // ticket still gives a half-open probe slot back (see `breaker::Ticket`).
         let Some(ticket) = self.breaker.ticket() else {
@@ -306,7 +390,12 @@ impl Downstream {
                 None => self.attempt(&url, span).await,
             };
             match result {
-                Err(e) if e.retryable() && attempt < self.retry.max_retries => {
+                // No retry while the gateway's own CPU is short: it would only add load there.
+                Err(e)
+                    if e.retryable()
+                        && attempt < self.retry.max_retries
+                        && !self.queue_delay.is_saturated() =>
+                {
                     let backoff = jittered(self.retry.backoff_base, attempt);
                     // Never retry past the deadline: the retry must fit in what is left.
                     if remaining() < backoff + MIN_CALL_BUDGET * 5 || !self.retry_budget.withdraw()
@@ -321,16 +410,35 @@ impl Downstream {
                 other => break other,
             }
         };
-        let success = match &result {
-            Ok(_) => true,
+        let ignored = match &result {
+            Ok(_) => {
+                ticket.record(true);
+                return result;
+            }
             // The caller's own budget running out says nothing about the dependency's health.
             Err(CallError::BudgetExhausted { .. }) => {
                 ticket.release();
                 return result;
             }
-            Err(_) => false,
+            Err(CallError::Timeout { cause, .. }) if *cause != TimeoutCause::Downstream => {
+                Some(*cause)
+            }
+            // A connect or read timeout of the HTTP client while the runtime was saturated.
+            Err(CallError::Transport { source, .. })
+                if source.is_timeout() && self.queue_delay.saturated_since(started) =>
+            {
+                Some(TimeoutCause::GatewaySaturated)
+            }
+            Err(_) => None,
         };
-        ticket.record(success);
+        match ignored {
+            Some(cause) => {
+                ticket.release();
+                let i = usize::from(cause == TimeoutCause::GatewaySaturated);
+                self.metrics.ignored[i].increment(1);
+            }
+            None => ticket.record(false),
+        }
         result
     }
 
@@ -348,7 +456,10 @@ impl Downstream {
             r = &mut first => return r,
             _ = tokio::time::sleep(after) => {}
         }
-        if remaining() < MIN_CALL_BUDGET * 5 || !self.retry_budget.withdraw() {
+        if remaining() < MIN_CALL_BUDGET * 5
+            || self.queue_delay.is_saturated()
+            || !self.retry_budget.withdraw()
+        {
             return first.await;
         }
         self.metrics.hedges.increment(1);
@@ -375,6 +486,8 @@ impl Downstream {
             return Err(CallError::BudgetExhausted { service });
         }
         let timeout = self.timeout.min(budget);
+        let fair = self.timeout.min(self.request_deadline);
+        let started = Instant::now();
         let mut request = self
             .client
             .get(url)
@@ -418,7 +531,15 @@ impl Downstream {
         };
         match tokio::time::timeout(timeout, exchange).await {
             Ok(result) => result,
-            Err(_) => Err(CallError::Timeout { service }),
+            Err(_) => Err(CallError::Timeout {
+                service,
+                cause: TimeoutCause::of(
+                    timeout,
+                    fair,
+                    self.queue_delay.fired_late(started + timeout),
+                    self.queue_delay.saturated_since(started),
+                ),
+            }),
         }
     }
 }
@@ -487,9 +608,15 @@ pub struct Downstreams {
 }
 
 impl Downstreams {
-    pub(crate) fn new(settings: &Settings, client: reqwest::Client) -> Self {
+    pub(crate) fn new(
+        settings: &Settings,
+        client: reqwest::Client,
+        queue_delay: &QueueDelay,
+    ) -> Self {
         Self {
-            clients: Service::ALL.map(|service| Downstream::new(service, settings, client.clone())),
+            clients: Service::ALL.map(|service| {
+                Downstream::new(service, settings, client.clone(), queue_delay.clone())
+            }),
         }
     }
 
@@ -506,6 +633,32 @@ impl Downstreams {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_timeout_is_the_downstreams_only_if_it_had_a_fair_chance_on_a_calm_gateway() {
+        let ms = Duration::from_millis;
+        let of = TimeoutCause::of;
+        assert_eq!(of(ms(500), ms(500), false, false), TimeoutCause::Downstream);
+        assert_eq!(
+            of(ms(300), ms(500), false, false),
+            TimeoutCause::Downstream,
+            "a budget that cut the call a little still leaves the downstream responsible"
+        );
+        assert_eq!(
+            of(ms(8), ms(500), false, false),
+            TimeoutCause::RequestBudget,
+            "an 8 ms budget says nothing about a service given 500 ms"
+        );
+        assert_eq!(
+            of(ms(500), ms(500), true, false),
+            TimeoutCause::GatewaySaturated,
+            "a timer that fired late waited for a worker"
+        );
+        assert_eq!(
+            of(ms(500), ms(500), false, true),
+            TimeoutCause::GatewaySaturated
+        );
+    }
 
     #[test]
     fn jitter_stays_within_the_exponential_cap() {
