@@ -4,22 +4,28 @@
 //! Cheap concurrency removes the thread-pool cap that used to protect everything behind the
 //! gateway; without a limit the gateway admits everything, queues it in the downstreams and the
 //! database pool, and every request gets slow at once (an avalanche). The cure is a semaphore
-//! with a short bounded wait in front (2,000 permits and 100 ms by default). This is that
-//! semaphore, per route group, with three things added:
+//! with a short bounded wait in front. This is that semaphore, per route group, with what it
+//! takes for it to hold under any overload, on any pod size, without a number to tune:
 //!
-//! - `Retry-After` comes from the observed drain rate (how fast permits are being returned),
-//!   not a constant, so clients back off about as long as the backlog needs to clear;
+//! - **the limit is learnt, not guessed** (`admission.mode = "adaptive"`, the default): it
+//!   follows the runtime's queueing delay ([`crate::overload`], [`limit::QueueDelayLimit`]), so
+//!   it settles where the core is just busy. A fixed 2,000 is ten times what one core carries,
+//!   and past that every admitted request queues for the CPU. `static` and `gradient2` remain;
+//! - **a "no" costs almost nothing and comes at once when waiting cannot help**: while the
+//!   runtime is saturated, or more requests already wait than the last interval released, a
+//!   request without a permit is turned away without arming a timer. The decision
+//!   ([`Limiter::try_admit`]) is synchronous, and the edge (`http::edge`) takes it before any
+//!   other work on the request;
+//! - `Retry-After` comes from the observed drain rate and the whole backlog, including the
+//!   demand turned away in the last second, so clients back off about as long as it needs to
+//!   clear;
 //! - readiness turns false while shedding stays heavy, and comes back only after it has stayed
-//!   light for a while (hysteresis), so the load balancer and an autoscaler see a stable signal;
-//! - an adaptive mode (Gradient2, from Netflix's concurrency-limits) moves the limit with the
-//!   latency it measures, for when per-pod capacity has not been measured or changes.
+//!   light for a while (hysteresis), so the load balancer and an autoscaler see a stable signal.
 //!
 //! Permits are RAII guards: a request that ends in any way — response, error, panic, client
 //! disconnect — returns its permit, so in-flight counts always go back to zero.
-//!
-//! The limiter, its bookkeeping and Gradient2 stay in one file (a little over 600 lines with
-//! the tests): they are one mechanism, and the adaptive algorithm reads best beside the
-//! semaphore whose size it moves.
+
+pub(crate) mod limit;
 
 use std::{
     sync::{
@@ -37,9 +43,18 @@ use tokio::{
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    config::{AdaptiveSettings, AdmissionMode, RouteGroup, Settings},
+    config::{AdmissionMode, RouteGroup, Settings},
+    overload::QueueDelay,
     telemetry::Family,
 };
+use limit::{Gradient2, Interval, QueueDelayLimit};
+
+/// How often the adaptive limit is updated and the wait queue's state reconsidered.
+const CONTROL_INTERVAL: Duration = Duration::from_millis(100);
+/// Readiness and the drain rate are updated once per this many control intervals (1 s).
+const TICKS_PER_SECOND: u32 = 10;
+/// At most one "shedding" warning per this long; the counters have the rest.
+const WARN_EVERY: Duration = Duration::from_secs(10);
 
 /// The limiters of all groups plus the shared readiness signal.
 pub struct Admission {
@@ -49,31 +64,44 @@ pub struct Admission {
 }
 
 impl Admission {
-    /// Builds one limiter per group and starts the once-a-second bookkeeping task, which stops
-    /// when `shutdown` is cancelled.
-    pub(crate) fn new(settings: &Settings, shutdown: CancellationToken) -> Arc<Self> {
-        let shedding = Arc::new(AtomicBool::new(false));
-        let shedding_gauge = metrics::gauge!(SHEDDING.name);
-        shedding_gauge.set(0.0);
+    /// Builds one limiter per group and starts the control task (every 100 ms: the adaptive
+    /// limit; every second: drain rate and readiness), which stops when `shutdown` is
+    /// cancelled.
+    pub(crate) fn new(
+        settings: &Settings,
+        queue_delay: &QueueDelay,
+        shutdown: CancellationToken,
+    ) -> Arc<Self> {
+        let this = Self::build(settings, queue_delay);
+        let hysteresis = Hysteresis::new(settings);
+        tokio::spawn(control(Arc::clone(&this), hysteresis, shutdown));
+        this
+    }
+
+    fn build(settings: &Settings, queue_delay: &QueueDelay) -> Arc<Self> {
+        metrics::gauge!(SHEDDING.name).set(0.0);
         let limiters = RouteGroup::ALL.map(|group| {
             let (limit, max_wait) = settings.admission_for(group);
+            let controller = match settings.admission.mode {
+                AdmissionMode::Static => Controller::Static(limit.get()),
+                AdmissionMode::Adaptive => Controller::QueueDelay(Mutex::new(
+                    QueueDelayLimit::new(&settings.admission.adaptive, queue_delay.target()),
+                )),
+                AdmissionMode::Gradient2 => {
+                    Controller::Gradient2(Mutex::new(Gradient2::new(&settings.admission.adaptive)))
+                }
+            };
             Arc::new(Limiter::new(
                 group,
-                settings.admission.mode,
-                limit.get(),
+                controller,
                 max_wait,
-                &settings.admission.adaptive,
+                queue_delay.clone(),
             ))
         });
-        let this = Arc::new(Self { limiters, shedding });
-        let hysteresis = Hysteresis::new(settings);
-        tokio::spawn(bookkeeping(
-            Arc::clone(&this),
-            hysteresis,
-            shedding_gauge,
-            shutdown,
-        ));
-        this
+        Arc::new(Self {
+            limiters,
+            shedding: Arc::new(AtomicBool::new(false)),
+        })
     }
 
     pub fn limiter(&self, group: RouteGroup) -> Arc<Limiter> {
@@ -137,20 +165,31 @@ impl Hysteresis {
     }
 }
 
-async fn bookkeeping(
+async fn control(
     admission: Arc<Admission>,
     mut hysteresis: Hysteresis,
-    gauge: Gauge,
     shutdown: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let gauge = metrics::gauge!(SHEDDING.name);
+    let mut tick = tokio::time::interval(CONTROL_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
+    let mut ticks = 0u32;
+    let mut last_warning: Option<Instant> = None;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
+        let now = Instant::now();
+        for l in &admission.limiters {
+            l.end_interval(now);
+        }
+        ticks += 1;
+        if ticks < TICKS_PER_SECOND {
+            continue;
+        }
+        ticks = 0;
         let (mut admitted, mut rejected) = (0, 0);
         for l in &admission.limiters {
             let (a, r) = l.end_second();
@@ -163,16 +202,27 @@ async fn bookkeeping(
         } else {
             rejected as f64 / total as f64
         };
+        if rejected > 0 && last_warning.is_none_or(|t| now.duration_since(t) >= WARN_EVERY) {
+            last_warning = Some(now);
+            let [dashboard, orders] = admission.limiters.each_ref().map(|l| l.limit());
+            tracing::warn!(
+                rejected_per_sec = rejected,
+                shed_ratio = ratio,
+                dashboard_limit = dashboard,
+                orders_limit = orders,
+                "admission is shedding load"
+            );
+        }
         let was = admission.shedding.load(Ordering::Relaxed);
-        let now = hysteresis.observe(ratio, was);
-        if now != was {
+        let now_shedding = hysteresis.observe(ratio, was);
+        if now_shedding != was {
             tracing::warn!(
                 shed_ratio = ratio,
-                shedding = now,
+                shedding = now_shedding,
                 "admission readiness changed"
             );
-            admission.shedding.store(now, Ordering::Relaxed);
-            gauge.set(if now { 1.0 } else { 0.0 });
+            admission.shedding.store(now_shedding, Ordering::Relaxed);
+            gauge.set(if now_shedding { 1.0 } else { 0.0 });
         }
     }
 }
@@ -180,7 +230,36 @@ async fn bookkeeping(
 /// A request was not admitted.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Rejected {
-    pub retry_after: Duration,
+    pub(crate) retry_after: Duration,
+}
+
+/// Why a request was turned away; also the `reason` metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reason {
+    /// No permit, and waiting could not help: no wait is configured, the runtime is
+    /// saturated, or more already wait than the last interval released.
+    Overloaded = 0,
+    /// Waited `max_wait` for a permit without getting one.
+    QueueTimeout = 1,
+}
+
+impl Reason {
+    const ALL: [Reason; 2] = [Reason::Overloaded, Reason::QueueTimeout];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Reason::Overloaded => "overloaded",
+            Reason::QueueTimeout => "queue_timeout",
+        }
+    }
+}
+
+/// The synchronous half of admission.
+pub(crate) enum Decision {
+    Admitted(Permit),
+    Rejected(Rejected),
+    /// No permit now, but one may come within `max_wait`: call [`Limiter::wait`].
+    Wait,
 }
 
 pub(crate) const PERMITS_IN_USE: Family = Family::gauge(
@@ -197,7 +276,7 @@ pub(crate) const WAIT: Family = Family::seconds(
 );
 pub(crate) const REJECTIONS: Family = Family::counter(
     "tributary_admission_rejections_total",
-    "Requests rejected with 503 by admission control, by group and reason.",
+    "Requests rejected with 503 by admission control, by group and reason (overloaded: no permit and waiting could not help; queue_timeout: waited max_wait).",
 );
 pub(crate) const SHEDDING: Family = Family::gauge(
     "tributary_admission_shedding",
@@ -212,19 +291,32 @@ struct Instruments {
     in_use: Gauge,
     limit: Gauge,
     wait: Histogram,
-    rejected: Counter,
+    rejected: [Counter; 2],
 }
 
 impl Instruments {
     fn register(group: RouteGroup) -> Self {
         let group = group.as_str();
+        let rejected = Reason::ALL
+            .map(|r| metrics::counter!(REJECTIONS.name, "group" => group, "reason" => r.as_str()));
+        for c in &rejected {
+            // Present from the start, so `rate()` sees the first increase.
+            c.increment(0);
+        }
         Self {
             in_use: metrics::gauge!(PERMITS_IN_USE.name, "group" => group),
             limit: metrics::gauge!(LIMIT.name, "group" => group),
             wait: metrics::histogram!(WAIT.name, "group" => group),
-            rejected: metrics::counter!(REJECTIONS.name, "group" => group, "reason" => "queue_timeout"),
+            rejected,
         }
     }
+}
+
+/// What moves the limit.
+enum Controller {
+    Static(usize),
+    QueueDelay(Mutex<QueueDelayLimit>),
+    Gradient2(Mutex<Gradient2>),
 }
 
 /// The limiter of one route group.
@@ -237,29 +329,37 @@ pub struct Limiter {
     in_flight: AtomicUsize,
     waiting: AtomicUsize,
     max_wait: Duration,
-    adaptive: Option<Mutex<Gradient2>>,
+    controller: Controller,
+    queue_delay: QueueDelay,
+    /// Set at each control interval: more requests wait than the last interval released, so a
+    /// new one would time out anyway.
+    backed_up: AtomicBool,
+    /// This control interval: the most permits held at once, permits returned, and whether
+    /// anyone found no permit.
+    peak_in_flight: AtomicUsize,
+    released: AtomicU64,
+    limited: AtomicBool,
     /// Completions since start, and an EWMA of completions per second, for `Retry-After`.
     completed: AtomicU64,
     drain_per_sec: Mutex<(u64, f64)>,
     admitted_this_second: AtomicU64,
     rejected_this_second: AtomicU64,
+    rejected_last_second: AtomicU64,
+    rejected_total: AtomicU64,
     metrics: Instruments,
 }
 
 impl Limiter {
     fn new(
         group: RouteGroup,
-        mode: AdmissionMode,
-        static_limit: usize,
+        controller: Controller,
         max_wait: Duration,
-        adaptive: &AdaptiveSettings,
+        queue_delay: QueueDelay,
     ) -> Self {
-        let (limit, adaptive) = match mode {
-            AdmissionMode::Static => (static_limit, None),
-            AdmissionMode::Adaptive => (
-                adaptive.initial_limit,
-                Some(Mutex::new(Gradient2::new(adaptive))),
-            ),
+        let limit = match &controller {
+            Controller::Static(limit) => *limit,
+            Controller::QueueDelay(c) => c.lock().unwrap_or_else(|p| p.into_inner()).limit(),
+            Controller::Gradient2(c) => c.lock().unwrap_or_else(|p| p.into_inner()).limit(),
         };
         let metrics = Instruments::register(group);
         metrics.limit.set(limit as f64);
@@ -271,11 +371,18 @@ impl Limiter {
             in_flight: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             max_wait,
-            adaptive,
+            controller,
+            queue_delay,
+            backed_up: AtomicBool::new(false),
+            peak_in_flight: AtomicUsize::new(0),
+            released: AtomicU64::new(0),
+            limited: AtomicBool::new(false),
             completed: AtomicU64::new(0),
             drain_per_sec: Mutex::new((0, 0.0)),
             admitted_this_second: AtomicU64::new(0),
             rejected_this_second: AtomicU64::new(0),
+            rejected_last_second: AtomicU64::new(0),
+            rejected_total: AtomicU64::new(0),
             metrics,
         }
     }
@@ -288,62 +395,121 @@ impl Limiter {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    /// Requests this limiter turned away since it was built.
+    pub fn rejected(&self) -> u64 {
+        self.rejected_total.load(Ordering::Relaxed)
+    }
+
     /// Requests waiting for a permit right now (part of the backlog behind `Retry-After`).
     pub fn waiting(&self) -> usize {
         self.waiting.load(Ordering::Relaxed)
     }
 
-    /// Waits at most `max_wait` for a permit.
-    pub(crate) async fn acquire(self: &Arc<Self>) -> Result<Permit, Rejected> {
+    /// The decision without waiting: a permit, a rejection when waiting could not help, or
+    /// [`Decision::Wait`]. No timer, no allocation beyond the permit's.
+    pub(crate) fn try_admit(self: &Arc<Self>) -> Decision {
+        if let Ok(permit) = Arc::clone(&self.semaphore).try_acquire_owned() {
+            self.metrics.wait.record(0.0);
+            return Decision::Admitted(self.admitted(permit));
+        }
+        self.limited.store(true, Ordering::Relaxed);
+        if self.max_wait.is_zero()
+            || self.backed_up.load(Ordering::Relaxed)
+            || self.queue_delay.is_saturated()
+        {
+            return Decision::Rejected(self.reject(Reason::Overloaded));
+        }
+        Decision::Wait
+    }
+
+    /// Waits at most `max_wait` for a permit, after [`Limiter::try_admit`] said so.
+    pub(crate) async fn wait(self: &Arc<Self>) -> Result<Permit, Rejected> {
         let started = Instant::now();
-        let permit = match Arc::clone(&self.semaphore).try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => {
-                // A guard, not a decrement after the await: a client that disconnects while
-                // queued drops this future mid-wait, and a count that only went up would
-                // inflate every later Retry-After (backlog / drain rate) for good.
-                let waiting = Waiting::new(&self.waiting);
-                let waited = tokio::time::timeout(
-                    self.max_wait,
-                    Arc::clone(&self.semaphore).acquire_owned(),
-                )
-                .await;
-                drop(waiting);
-                match waited {
-                    Ok(Ok(p)) => p,
-                    // Timed out, or (never, the semaphore is not closed) closed.
-                    _ => {
-                        self.metrics.wait.record(started.elapsed().as_secs_f64());
-                        self.metrics.rejected.increment(1);
-                        self.rejected_this_second.fetch_add(1, Ordering::Relaxed);
-                        return Err(Rejected {
-                            retry_after: self.retry_after(),
-                        });
-                    }
-                }
-            }
-        };
+        // A guard, not a decrement after the await: a client that disconnects while queued
+        // drops this future mid-wait, and a count that only went up would inflate every later
+        // Retry-After (backlog / drain rate) for good.
+        let waiting = Waiting::new(&self.waiting);
+        let waited =
+            tokio::time::timeout(self.max_wait, Arc::clone(&self.semaphore).acquire_owned()).await;
+        drop(waiting);
         self.metrics.wait.record(started.elapsed().as_secs_f64());
+        match waited {
+            Ok(Ok(permit)) => Ok(self.admitted(permit)),
+            // Timed out, or (never, the semaphore is not closed) closed.
+            _ => Err(self.reject(Reason::QueueTimeout)),
+        }
+    }
+
+    /// Both halves in one; for tests.
+    #[cfg(test)]
+    pub(crate) async fn acquire(self: &Arc<Self>) -> Result<Permit, Rejected> {
+        match self.try_admit() {
+            Decision::Admitted(p) => Ok(p),
+            Decision::Rejected(r) => Err(r),
+            Decision::Wait => self.wait().await,
+        }
+    }
+
+    fn admitted(self: &Arc<Self>, permit: OwnedSemaphorePermit) -> Permit {
         self.admitted_this_second.fetch_add(1, Ordering::Relaxed);
         let n = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        self.peak_in_flight.fetch_max(n, Ordering::Relaxed);
         self.metrics.in_use.set(n as f64);
-        Ok(Permit {
+        Permit {
             limiter: Arc::clone(self),
             permit: Some(permit),
             started: Instant::now(),
-        })
+        }
     }
 
-    /// How long the current backlog needs to drain at the observed completion rate.
+    fn reject(&self, reason: Reason) -> Rejected {
+        self.metrics.rejected[reason as usize].increment(1);
+        self.rejected_this_second.fetch_add(1, Ordering::Relaxed);
+        self.rejected_total.fetch_add(1, Ordering::Relaxed);
+        Rejected {
+            retry_after: self.retry_after(),
+        }
+    }
+
+    /// How long the current backlog needs to drain at the observed completion rate. The
+    /// backlog is everyone holding or waiting for a permit plus the demand turned away in the
+    /// last second: those clients come back too, and a `Retry-After` that ignored them would
+    /// send them all back into the same full limiter.
     fn retry_after(&self) -> Duration {
         let rate = self
             .drain_per_sec
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .1;
-        let backlog = (self.in_flight() + self.waiting.load(Ordering::Relaxed)) as f64;
+        let backlog = (self.in_flight() + self.waiting()) as f64
+            + self.rejected_last_second.load(Ordering::Relaxed) as f64;
         let secs = if rate > 0.5 { backlog / rate } else { 5.0 };
         Duration::from_secs_f64(secs.clamp(1.0, 30.0))
+    }
+
+    /// Closes one control interval: whether the wait queue can drain, and the adaptive limit.
+    fn end_interval(&self, now: Instant) {
+        let in_flight = self.in_flight();
+        let peak = self.peak_in_flight.swap(in_flight, Ordering::Relaxed);
+        let released = self.released.swap(0, Ordering::Relaxed);
+        let limited = self.limited.swap(false, Ordering::Relaxed);
+        self.backed_up
+            .store(self.waiting() as u64 > released, Ordering::Relaxed);
+        if let Controller::QueueDelay(c) = &self.controller {
+            let seen = Interval {
+                saturated: self.queue_delay.is_saturated(),
+                delay: self.queue_delay.current(),
+                peak_in_flight: peak,
+                limited,
+            };
+            let new_limit = c
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .update(now, seen);
+            if let Some(new_limit) = new_limit {
+                self.set_limit(new_limit);
+            }
+        }
     }
 
     /// Closes the current one-second window: updates the drain rate and returns the
@@ -359,16 +525,19 @@ impl Limiter {
         };
         d.0 = completed;
         drop(d);
+        let rejected = self.rejected_this_second.swap(0, Ordering::Relaxed);
+        self.rejected_last_second.store(rejected, Ordering::Relaxed);
         (
             self.admitted_this_second.swap(0, Ordering::Relaxed),
-            self.rejected_this_second.swap(0, Ordering::Relaxed),
+            rejected,
         )
     }
 
-    fn release(&self, permit: OwnedSemaphorePermit, latency: Duration) {
+    fn release(&self, permit: OwnedSemaphorePermit, held: Duration) {
         let n = self.in_flight.fetch_sub(1, Ordering::Relaxed) - 1;
         self.metrics.in_use.set(n as f64);
         self.completed.fetch_add(1, Ordering::Relaxed);
+        self.released.fetch_add(1, Ordering::Relaxed);
         let retire = self
             .debt
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |d| d.checked_sub(1))
@@ -378,14 +547,17 @@ impl Limiter {
         } else {
             drop(permit);
         }
-        if let Some(adaptive) = &self.adaptive {
-            let new_limit = adaptive.lock().unwrap_or_else(|p| p.into_inner()).sample(
-                latency,
-                n + 1,
-                self.limit(),
-            );
-            if let Some(new_limit) = new_limit {
-                self.set_limit(new_limit);
+        match &self.controller {
+            Controller::Static(_) => {}
+            Controller::QueueDelay(c) => c.lock().unwrap_or_else(|p| p.into_inner()).sample(held),
+            Controller::Gradient2(c) => {
+                let new_limit = c
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .sample(held, n + 1);
+                if let Some(new_limit) = new_limit {
+                    self.set_limit(new_limit);
+                }
             }
         }
     }
@@ -443,142 +615,26 @@ impl Drop for Permit {
     }
 }
 
-/// Netflix's Gradient2: compare the short-term latency with a long-term baseline; while they
-/// agree (within `tolerance`) the limit grows by about √limit per window, when latency rises
-/// the limit shrinks proportionally (never below half per step). Samples are averaged over
-/// windows of at least 100 ms and 10 requests, so one slow request does not move it.
-pub(crate) struct Gradient2 {
-    min: f64,
-    max: f64,
-    tolerance: f64,
-    smoothing: f64,
-    limit: f64,
-    long_rtt: Option<f64>,
-    window_started: Instant,
-    window_sum: f64,
-    window_n: u32,
-    window_max_in_flight: usize,
-}
-
-impl Gradient2 {
-    const WINDOW: Duration = Duration::from_millis(100);
-    const MIN_SAMPLES: u32 = 10;
-    const LONG_WINDOW: f64 = 600.0;
-
-    pub(crate) fn new(s: &AdaptiveSettings) -> Self {
-        Self {
-            min: s.min_limit.get() as f64,
-            max: s.max_limit as f64,
-            tolerance: s.tolerance,
-            smoothing: s.smoothing.get(),
-            limit: s.initial_limit as f64,
-            long_rtt: None,
-            window_started: Instant::now(),
-            window_sum: 0.0,
-            window_n: 0,
-            window_max_in_flight: 0,
-        }
-    }
-
-    /// Feeds one completed request; returns a new limit when a window closes.
-    pub(crate) fn sample(
-        &mut self,
-        rtt: Duration,
-        in_flight: usize,
-        _current: usize,
-    ) -> Option<usize> {
-        self.window_sum += rtt.as_secs_f64();
-        self.window_n += 1;
-        self.window_max_in_flight = self.window_max_in_flight.max(in_flight);
-        if self.window_n < Self::MIN_SAMPLES || self.window_started.elapsed() < Self::WINDOW {
-            return None;
-        }
-        let short = self.window_sum / f64::from(self.window_n);
-        let max_in_flight = self.window_max_in_flight;
-        self.window_started = Instant::now();
-        self.window_sum = 0.0;
-        self.window_n = 0;
-        self.window_max_in_flight = 0;
-
-        let long = match self.long_rtt {
-            None => short,
-            Some(long) => long + (short - long) / Self::LONG_WINDOW,
-        };
-        // After a sustained shift the baseline decays towards the new normal faster.
-        let long = if long / short > 2.0 {
-            long * 0.95
-        } else {
-            long
-        };
-        self.long_rtt = Some(long);
-
-        // Application-limited: too little traffic to learn anything about capacity.
-        if (max_in_flight as f64) < self.limit / 2.0 {
-            return None;
-        }
-        let gradient = (self.tolerance * long / short).clamp(0.5, 1.0);
-        let queue = self.limit.sqrt();
-        let target = self.limit * gradient + queue;
-        let next = (self.limit * (1.0 - self.smoothing) + target * self.smoothing)
-            .clamp(self.min, self.max);
-        self.limit = next;
-        Some(next.round() as usize)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn settings() -> AdaptiveSettings {
-        AdaptiveSettings {
-            initial_limit: 100,
-            min_limit: std::num::NonZeroUsize::new(10).unwrap(),
-            max_limit: 1000,
-            tolerance: 1.5,
-            smoothing: crate::config::Ratio::of(0.2),
-        }
-    }
+    const TARGET: Duration = Duration::from_millis(5);
 
-    /// Feeds `windows` windows of requests at a fixed latency with the limit saturated.
-    async fn feed(g: &mut Gradient2, rtt_ms: u64, windows: usize) -> usize {
-        let mut last = g.limit as usize;
-        for _ in 0..windows {
-            for _ in 0..Gradient2::MIN_SAMPLES {
-                if let Some(l) = g.sample(Duration::from_millis(rtt_ms), last, last) {
-                    last = l;
-                }
-            }
-            tokio::time::advance(Gradient2::WINDOW).await;
-        }
-        last
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn steady_latency_grows_the_limit_and_a_latency_spike_shrinks_it() {
-        let mut g = Gradient2::new(&settings());
-        let grown = feed(&mut g, 20, 30).await;
-        assert!(
-            grown > 100,
-            "limit should grow under steady latency, got {grown}"
-        );
-        let shrunk = feed(&mut g, 200, 30).await;
-        assert!(
-            shrunk < grown,
-            "limit should shrink when latency rises: {grown} -> {shrunk}"
-        );
-        assert!(shrunk >= 10, "never below min_limit");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn an_idle_application_does_not_grow_the_limit() {
-        let mut g = Gradient2::new(&settings());
-        for _ in 0..30 {
-            for _ in 0..Gradient2::MIN_SAMPLES {
-                assert_eq!(g.sample(Duration::from_millis(5), 3, 100), None);
-            }
-            tokio::time::advance(Gradient2::WINDOW).await;
-        }
+    fn limiter(
+        mode: AdmissionMode,
+        limit: usize,
+        max_wait: Duration,
+    ) -> (Arc<Limiter>, QueueDelay) {
+        let mut s = Settings::default();
+        s.admission.mode = mode;
+        s.admission.max_in_flight = std::num::NonZeroUsize::new(limit).unwrap();
+        s.admission.adaptive.initial_limit = limit;
+        s.admission.adaptive.min_limit = std::num::NonZeroUsize::new(1).unwrap();
+        s.admission.max_wait = max_wait;
+        let q = QueueDelay::manual(TARGET);
+        let a = Admission::build(&s, &q);
+        (a.limiter(RouteGroup::Dashboard), q)
     }
 
     #[test]
@@ -609,13 +665,7 @@ mod tests {
 
     #[tokio::test]
     async fn permits_are_returned_on_drop_and_excess_is_rejected() {
-        let l = Arc::new(Limiter::new(
-            RouteGroup::Dashboard,
-            AdmissionMode::Static,
-            2,
-            Duration::from_millis(5),
-            &settings(),
-        ));
+        let (l, _q) = limiter(AdmissionMode::Static, 2, Duration::from_millis(5));
         let a = l.acquire().await.unwrap();
         let _b = l.acquire().await.unwrap();
         let Err(rejected) = l.acquire().await else {
@@ -629,13 +679,7 @@ mod tests {
 
     #[tokio::test]
     async fn shrinking_below_the_permits_in_use_retires_them_as_they_return() {
-        let l = Arc::new(Limiter::new(
-            RouteGroup::Dashboard,
-            AdmissionMode::Static,
-            3,
-            Duration::from_millis(1),
-            &settings(),
-        ));
+        let (l, _q) = limiter(AdmissionMode::Static, 3, Duration::from_millis(1));
         let held: Vec<_> = futures::future::join_all((0..3).map(|_| l.acquire()))
             .await
             .into_iter()
@@ -646,5 +690,93 @@ mod tests {
         assert_eq!(l.semaphore.available_permits(), 1);
         l.set_limit(4);
         assert_eq!(l.semaphore.available_permits(), 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_saturated_runtime_turns_requests_away_without_a_wait() {
+        let (l, q) = limiter(AdmissionMode::Static, 1, Duration::from_secs(1));
+        let _held = l.acquire().await.unwrap();
+        assert!(
+            matches!(l.try_admit(), Decision::Wait),
+            "calm: worth a wait"
+        );
+        q.observe_window(Duration::from_millis(50), 1.0);
+        assert!(
+            matches!(l.try_admit(), Decision::Rejected(_)),
+            "saturated: no timer armed, an immediate no"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_queue_that_cannot_drain_in_time_turns_new_requests_away() {
+        let (l, _q) = limiter(AdmissionMode::Static, 1, Duration::from_secs(1));
+        let held = l.acquire().await.unwrap();
+        let waiter = {
+            let l = Arc::clone(&l);
+            tokio::spawn(async move { l.wait().await.is_ok() })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(l.waiting(), 1);
+        // An interval in which nothing was released while someone waited.
+        l.end_interval(Instant::now());
+        assert!(matches!(l.try_admit(), Decision::Rejected(_)));
+        drop(held);
+        assert!(
+            waiter.await.unwrap(),
+            "the one already waiting still gets the permit"
+        );
+        l.end_interval(Instant::now());
+        assert!(!l.backed_up.load(Ordering::Relaxed));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_after_counts_the_demand_turned_away_as_backlog() {
+        let (l, _q) = limiter(AdmissionMode::Static, 10, Duration::ZERO);
+        let held: Vec<_> = futures::future::join_all((0..10).map(|_| l.acquire())).await;
+        // A drain of 10 per second.
+        drop(held);
+        l.end_second();
+        let held: Vec<_> = futures::future::join_all((0..10).map(|_| l.acquire())).await;
+        let Err(first) = l.acquire().await else {
+            panic!("full")
+        };
+        assert_eq!(
+            first.retry_after,
+            Duration::from_secs(1),
+            "10 in flight at 10/s"
+        );
+        for _ in 0..40 {
+            let _ = l.acquire().await;
+        }
+        l.end_second();
+        let Err(later) = l.acquire().await else {
+            panic!("full")
+        };
+        assert!(
+            later.retry_after >= Duration::from_secs(4),
+            "10 in flight and 41 turned away, at ~10/s: {:?}",
+            later.retry_after
+        );
+        drop(held);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_adaptive_limit_shrinks_while_saturated_and_grows_when_it_limits_a_calm_runtime() {
+        let (l, q) = limiter(AdmissionMode::Adaptive, 100, Duration::ZERO);
+        let held: Vec<_> = futures::future::join_all((0..100).map(|_| l.acquire()))
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        q.observe_window(Duration::from_millis(50), 1.0);
+        l.end_interval(Instant::now());
+        assert_eq!(l.limit(), 90, "saturated with the limit in use: cut");
+        drop(held);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        q.observe_window(Duration::from_micros(100), 1.0);
+        let held: Vec<_> = futures::future::join_all((0..91).map(|_| l.acquire())).await;
+        assert!(held.iter().any(Result::is_err), "the limit turned one away");
+        l.end_interval(Instant::now());
+        assert_eq!(l.limit(), 99, "calm and limiting: grow");
     }
 }

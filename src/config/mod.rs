@@ -56,6 +56,7 @@ pub struct Settings {
     pub http_client: HttpClientSettings,
     pub downstreams: Downstreams,
     pub admission: AdmissionSettings,
+    pub overload: OverloadSettings,
     pub rate_limit: RateLimitSettings,
     pub circuit_breaker: CircuitBreakerSettings,
     pub retry: RetrySettings,
@@ -274,10 +275,17 @@ impl Default for DownstreamSettings {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AdmissionMode {
-    /// A fixed semaphore; the right choice when per-pod capacity has been measured.
+    /// A fixed semaphore of `max_in_flight`; for when per-pod capacity has been measured and
+    /// does not change.
     Static,
-    /// Gradient2: the limit follows measured latency between `min_limit` and `max_limit`.
+    /// The limit follows the runtime's queueing delay (see `overload.queue_delay_target`):
+    /// it shrinks while the gateway's own CPU is the bottleneck and grows while the queue is
+    /// short and the limit is what turns requests away. The default: it needs no per-machine
+    /// number.
     Adaptive,
+    /// Gradient2 (Netflix concurrency-limits): the limit follows measured request latency
+    /// against its long-term baseline, between `min_limit` and `max_limit`.
+    Gradient2,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -290,6 +298,11 @@ pub struct AdmissionSettings {
     /// Longest wait for a permit before a 503.
     #[serde(with = "humantime_serde")]
     pub max_wait: Duration,
+    /// After a 503 from admission, stop reading that HTTP/1 connection for a moment (up to
+    /// `Retry-After`, at most 2 s), so a client that retries at once waits in its own socket
+    /// buffer instead of costing the gateway a rejection per retry. Turn off behind an L7 proxy
+    /// that multiplexes many clients onto one upstream connection.
+    pub pushback: bool,
     /// Per-group overrides; keys are `dashboard` and `orders`.
     pub groups: BTreeMap<RouteGroup, AdmissionGroupSettings>,
     pub adaptive: AdaptiveSettings,
@@ -306,15 +319,35 @@ impl Default for AdmissionSettings {
     fn default() -> Self {
         Self {
             enabled: true,
-            mode: AdmissionMode::Static,
+            mode: AdmissionMode::Adaptive,
             max_in_flight: nonzero(2000),
             max_wait: Duration::from_millis(100),
+            pushback: true,
             groups: BTreeMap::new(),
             adaptive: AdaptiveSettings::default(),
             unready_shed_ratio: Ratio::of(0.5),
             unready_after_secs: 3,
             ready_shed_ratio: Ratio::of(0.05),
             ready_after_secs: 5,
+        }
+    }
+}
+
+/// How the gateway tells that its own CPU is the bottleneck (the `overload` module).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OverloadSettings {
+    /// The runtime is saturated when, over a 100 ms window, every task waited longer than
+    /// this for a worker while the workers were busy. It drives the adaptive admission limit,
+    /// and while it holds, downstream timeouts do not count against the circuit breakers.
+    #[serde(with = "types::positive_duration")]
+    pub queue_delay_target: Duration,
+}
+
+impl Default for OverloadSettings {
+    fn default() -> Self {
+        Self {
+            queue_delay_target: Duration::from_millis(5),
         }
     }
 }

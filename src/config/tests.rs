@@ -47,7 +47,7 @@ fn environment_overrides_nested_keys() {
     let s = load(&[
         ("TRIBUTARY_DOWNSTREAMS__CARTS__TIMEOUT", "250ms"),
         ("TRIBUTARY_DATABASE__MAX_CONNECTIONS", "7"),
-        ("TRIBUTARY_ADMISSION__MODE", "adaptive"),
+        ("TRIBUTARY_ADMISSION__MODE", "gradient2"),
         ("TRIBUTARY_ADMISSION__GROUPS__ORDERS__MAX_IN_FLIGHT", "50"),
         ("DATABASE_URL", "postgres://app@db:5432/app"),
         ("RUST_LOG", "warn,tributary=debug"),
@@ -57,7 +57,7 @@ fn environment_overrides_nested_keys() {
     .unwrap();
     assert_eq!(s.downstreams.carts.timeout, Duration::from_millis(250));
     assert_eq!(s.database.max_connections.get(), 7);
-    assert_eq!(s.admission.mode, AdmissionMode::Adaptive);
+    assert_eq!(s.admission.mode, AdmissionMode::Gradient2);
     assert_eq!(s.database.url.expose(), "postgres://app@db:5432/app");
     assert_eq!(s.telemetry.log_level, "warn,tributary=debug");
     assert_eq!(s.admission_for(RouteGroup::Orders).0.get(), 50);

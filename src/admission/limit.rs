@@ -1,0 +1,375 @@
+//! The two algorithms that move an adaptive admission limit.
+//!
+//! - [`QueueDelayLimit`], the default: additive-increase / multiplicative-decrease on the
+//!   runtime's queueing delay ([`crate::overload`]). The core is the resource admission
+//!   protects; its queue is the one signal that says "too much" without being fooled by a slow
+//!   downstream (a slow dependency lengthens requests but leaves the core idle), so the limit
+//!   settles where the core is just busy, whatever the pod size, with no number to tune.
+//! - [`Gradient2`] (Netflix concurrency-limits): the limit follows request latency against its
+//!   long-term baseline. It cannot tell a saturated core from a slow dependency, and under CPU
+//!   overload the latency it measures includes the queueing it is meant to prevent; it stays
+//!   for deployments that want latency-driven limits.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::config::AdaptiveSettings;
+
+/// What the control loop saw over one control interval.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Interval {
+    /// The runtime was saturated (queueing delay over target with busy workers).
+    pub(crate) saturated: bool,
+    /// The last window's minimum queueing delay.
+    pub(crate) delay: Duration,
+    /// The most permits held at once during the interval.
+    pub(crate) peak_in_flight: usize,
+    /// Whether the limit turned someone away or made someone wait during the interval.
+    pub(crate) limited: bool,
+}
+
+/// AIMD on queueing delay.
+///
+/// - saturated, and the limit in use (at least half of it held): × 0.9, but at most once per
+///   smoothed permit-hold time, so the effect of one cut is seen before the next is made;
+/// - not saturated and the limit is what stopped requests: grow, × 1.1 while the delay is under
+///   half the target, by √limit (gently) closer to it;
+/// - otherwise hold: an application-limited gateway learns nothing about its capacity.
+pub(crate) struct QueueDelayLimit {
+    min: f64,
+    max: f64,
+    target: Duration,
+    limit: f64,
+    last_decrease: Option<Instant>,
+    /// EWMA of how long requests hold their permit.
+    hold: Option<Duration>,
+}
+
+impl QueueDelayLimit {
+    const DECREASE: f64 = 0.9;
+    const FAST_INCREASE: f64 = 1.1;
+    /// Before a hold time is known, decreases are this far apart.
+    const DEFAULT_HOLD: Duration = Duration::from_millis(100);
+    /// Decreases are never closer together than this, however short requests are.
+    const MIN_DECREASE_GAP: Duration = Duration::from_millis(100);
+
+    pub(crate) fn new(s: &AdaptiveSettings, target: Duration) -> Self {
+        let min = s.min_limit.get() as f64;
+        let max = (s.max_limit as f64).max(min);
+        Self {
+            min,
+            max,
+            target,
+            limit: (s.initial_limit as f64).clamp(min, max),
+            last_decrease: None,
+            hold: None,
+        }
+    }
+
+    pub(crate) fn limit(&self) -> usize {
+        self.limit.round() as usize
+    }
+
+    /// A request returned its permit after holding it for `held`.
+    pub(crate) fn sample(&mut self, held: Duration) {
+        self.hold = Some(match self.hold {
+            None => held,
+            Some(h) => h.mul_f64(0.9) + held.mul_f64(0.1),
+        });
+    }
+
+    /// Closes one control interval at `now`; returns the new limit if it moved.
+    pub(crate) fn update(&mut self, now: Instant, seen: Interval) -> Option<usize> {
+        let before = self.limit();
+        if seen.saturated {
+            let gap = self
+                .hold
+                .unwrap_or(Self::DEFAULT_HOLD)
+                .max(Self::MIN_DECREASE_GAP);
+            let due = self
+                .last_decrease
+                .is_none_or(|t| now.saturating_duration_since(t) >= gap);
+            if due && seen.peak_in_flight as f64 >= self.limit * 0.5 {
+                self.limit = (self.limit * Self::DECREASE).max(self.min);
+                self.last_decrease = Some(now);
+            }
+        } else if seen.limited {
+            self.limit = if seen.delay < self.target / 2 {
+                self.limit * Self::FAST_INCREASE
+            } else {
+                self.limit + self.limit.sqrt()
+            }
+            .min(self.max);
+        }
+        let after = self.limit();
+        (after != before).then_some(after)
+    }
+}
+
+/// Netflix's Gradient2: compare the short-term latency with a long-term baseline; while they
+/// agree (within `tolerance`) the limit grows by about √limit per window, when latency rises
+/// the limit shrinks proportionally (never below half per step). Samples are averaged over
+/// windows of at least 100 ms and 10 requests, so one slow request does not move it.
+pub(crate) struct Gradient2 {
+    min: f64,
+    max: f64,
+    tolerance: f64,
+    smoothing: f64,
+    limit: f64,
+    long_rtt: Option<f64>,
+    window_started: Instant,
+    window_sum: f64,
+    window_n: u32,
+    window_max_in_flight: usize,
+}
+
+impl Gradient2 {
+    pub(crate) const WINDOW: Duration = Duration::from_millis(100);
+    pub(crate) const MIN_SAMPLES: u32 = 10;
+    const LONG_WINDOW: f64 = 600.0;
+
+    pub(crate) fn new(s: &AdaptiveSettings) -> Self {
+        Self {
+            min: s.min_limit.get() as f64,
+            max: s.max_limit as f64,
+            tolerance: s.tolerance,
+            smoothing: s.smoothing.get(),
+            limit: s.initial_limit as f64,
+            long_rtt: None,
+            window_started: Instant::now(),
+            window_sum: 0.0,
+            window_n: 0,
+            window_max_in_flight: 0,
+        }
+    }
+
+    pub(crate) fn limit(&self) -> usize {
+        self.limit.round() as usize
+    }
+
+    /// Feeds one completed request; returns a new limit when a window closes.
+    pub(crate) fn sample(&mut self, rtt: Duration, in_flight: usize) -> Option<usize> {
+        self.window_sum += rtt.as_secs_f64();
+        self.window_n += 1;
+        self.window_max_in_flight = self.window_max_in_flight.max(in_flight);
+        if self.window_n < Self::MIN_SAMPLES || self.window_started.elapsed() < Self::WINDOW {
+            return None;
+        }
+        let short = self.window_sum / f64::from(self.window_n);
+        let max_in_flight = self.window_max_in_flight;
+        self.window_started = Instant::now();
+        self.window_sum = 0.0;
+        self.window_n = 0;
+        self.window_max_in_flight = 0;
+
+        let long = match self.long_rtt {
+            None => short,
+            Some(long) => long + (short - long) / Self::LONG_WINDOW,
+        };
+        // After a sustained shift the baseline decays towards the new normal faster.
+        let long = if long / short > 2.0 {
+            long * 0.95
+        } else {
+            long
+        };
+        self.long_rtt = Some(long);
+
+        // Application-limited: too little traffic to learn anything about capacity.
+        if (max_in_flight as f64) < self.limit / 2.0 {
+            return None;
+        }
+        let gradient = (self.tolerance * long / short).clamp(0.5, 1.0);
+        let queue = self.limit.sqrt();
+        let target = self.limit * gradient + queue;
+        let next = (self.limit * (1.0 - self.smoothing) + target * self.smoothing)
+            .clamp(self.min, self.max);
+        self.limit = next;
+        Some(next.round() as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TARGET: Duration = Duration::from_millis(5);
+    const TICK: Duration = Duration::from_millis(100);
+
+    fn settings() -> AdaptiveSettings {
+        AdaptiveSettings {
+            initial_limit: 100,
+            min_limit: std::num::NonZeroUsize::new(10).unwrap(),
+            max_limit: 1000,
+            tolerance: 1.5,
+            smoothing: crate::config::Ratio::of(0.2),
+        }
+    }
+
+    /// A gateway on one core under far more demand than it can carry: each request needs
+    /// `cost` of CPU and waits `io` on its downstreams, so the core is saturated exactly when
+    /// more than `io / cost` (Little's law) requests are in flight. The controller sees what the
+    /// real one sees: saturation, a delay, a full limit and requests turned away.
+    fn run(l: &mut QueueDelayLimit, now: &mut Instant, capacity_in_flight: f64, ticks: usize) {
+        let io = Duration::from_millis(100);
+        for _ in 0..ticks {
+            let in_flight = l.limit() as f64;
+            let load = in_flight / capacity_in_flight;
+            let saturated = load > 1.0;
+            // Past saturation every request also queues for the core.
+            let delay = if saturated {
+                io.mul_f64(load - 1.0)
+            } else {
+                Duration::from_micros(200)
+            };
+            l.sample(io + delay);
+            l.update(
+                *now,
+                Interval {
+                    saturated,
+                    delay,
+                    peak_in_flight: l.limit(),
+                    limited: true,
+                },
+            );
+            *now += TICK;
+        }
+    }
+
+    fn band(l: &mut QueueDelayLimit, now: &mut Instant, capacity: f64) -> (usize, usize) {
+        let (mut lo, mut hi) = (usize::MAX, 0);
+        for _ in 0..50 {
+            run(l, now, capacity, 1);
+            lo = lo.min(l.limit());
+            hi = hi.max(l.limit());
+        }
+        (lo, hi)
+    }
+
+    #[test]
+    fn the_limit_converges_on_the_cores_capacity_and_follows_a_step_change() {
+        let mut s = settings();
+        s.max_limit = 5000;
+        let mut l = QueueDelayLimit::new(&s, TARGET);
+        let mut now = Instant::now();
+        // 3,000 req/s of CPU at 100 ms of I/O each: 300 in flight keep the core busy.
+        run(&mut l, &mut now, 300.0, 200);
+        let (lo, hi) = band(&mut l, &mut now, 300.0);
+        assert!(
+            lo >= 240 && hi <= 360,
+            "should oscillate around 300, got {lo}..{hi}"
+        );
+        // Half the CPU (a noisy neighbour, a smaller pod): the limit must follow.
+        run(&mut l, &mut now, 150.0, 200);
+        let (lo, hi) = band(&mut l, &mut now, 150.0);
+        assert!(
+            lo >= 120 && hi <= 180,
+            "should follow to around 150, got {lo}..{hi}"
+        );
+    }
+
+    #[test]
+    fn it_stays_within_its_bounds() {
+        let mut l = QueueDelayLimit::new(&settings(), TARGET);
+        let mut now = Instant::now();
+        run(&mut l, &mut now, 5.0, 3000);
+        assert_eq!(l.limit(), 10, "never below min_limit");
+        run(&mut l, &mut now, 1e9, 500);
+        assert_eq!(l.limit(), 1000, "never above max_limit");
+    }
+
+    #[test]
+    fn it_decreases_at_most_once_per_permit_hold_time() {
+        let mut l = QueueDelayLimit::new(&settings(), TARGET);
+        l.sample(Duration::from_millis(400));
+        let now = Instant::now();
+        let saturated = Interval {
+            saturated: true,
+            delay: Duration::from_millis(50),
+            peak_in_flight: 100,
+            limited: true,
+        };
+        assert_eq!(l.update(now, saturated), Some(90));
+        assert_eq!(
+            l.update(now + TICK, saturated),
+            None,
+            "the cut is not seen yet"
+        );
+        assert_eq!(l.update(now + TICK * 3, saturated), None);
+        assert_eq!(l.update(now + TICK * 4, saturated), Some(81));
+    }
+
+    #[test]
+    fn it_does_not_move_when_it_is_not_what_limits() {
+        let mut l = QueueDelayLimit::new(&settings(), TARGET);
+        let now = Instant::now();
+        // Saturated by something else while few permits are held: cutting would not help.
+        let bystander = Interval {
+            saturated: true,
+            delay: Duration::from_millis(50),
+            peak_in_flight: 20,
+            limited: false,
+        };
+        assert_eq!(l.update(now, bystander), None);
+        // Calm and nobody turned away: nothing to learn.
+        let idle = Interval {
+            saturated: false,
+            delay: Duration::from_micros(100),
+            peak_in_flight: 20,
+            limited: false,
+        };
+        assert_eq!(l.update(now + TICK, idle), None);
+        // Calm and limited: grow fast while the queue is short, gently near the target.
+        let limited = Interval {
+            limited: true,
+            ..idle
+        };
+        assert_eq!(l.update(now + TICK * 2, limited), Some(110));
+        let near = Interval {
+            delay: Duration::from_millis(4),
+            ..limited
+        };
+        assert_eq!(l.update(now + TICK * 3, near), Some(120));
+    }
+
+    /// Feeds `windows` windows of requests at a fixed latency with the limit saturated.
+    async fn feed(g: &mut Gradient2, rtt_ms: u64, windows: usize) -> usize {
+        let mut last = g.limit();
+        for _ in 0..windows {
+            for _ in 0..Gradient2::MIN_SAMPLES {
+                if let Some(l) = g.sample(Duration::from_millis(rtt_ms), last) {
+                    last = l;
+                }
+            }
+            tokio::time::advance(Gradient2::WINDOW).await;
+        }
+        last
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn gradient2_grows_under_steady_latency_and_shrinks_on_a_spike() {
+        let mut g = Gradient2::new(&settings());
+        let grown = feed(&mut g, 20, 30).await;
+        assert!(
+            grown > 100,
+            "limit should grow under steady latency, got {grown}"
+        );
+        let shrunk = feed(&mut g, 200, 30).await;
+        assert!(
+            shrunk < grown,
+            "limit should shrink when latency rises: {grown} -> {shrunk}"
+        );
+        assert!(shrunk >= 10, "never below min_limit");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn gradient2_does_not_grow_an_idle_applications_limit() {
+        let mut g = Gradient2::new(&settings());
+        for _ in 0..30 {
+            for _ in 0..Gradient2::MIN_SAMPLES {
+                assert_eq!(g.sample(Duration::from_millis(5), 3), None);
+            }
+            tokio::time::advance(Gradient2::WINDOW).await;
+        }
+    }
+}
