@@ -37,7 +37,12 @@ use crate::{
     config::Settings,
     db::Db,
     downstream::{Downstreams, build_client},
-    http::{AppState, router},
+    http::{
+        AppState,
+        pushback::{Pausable, Pushback},
+        router,
+    },
+    overload::QueueDelay,
     ratelimit::RateLimiter,
     telemetry::{self, Family, Telemetry},
 };
@@ -47,6 +52,7 @@ pub const METRIC_FAMILIES: &[&[Family]] = &[
     telemetry::metrics::FAMILIES,
     telemetry::runtime::FAMILIES,
     telemetry::logs::FAMILIES,
+    crate::overload::FAMILIES,
     crate::admission::FAMILIES,
     crate::ratelimit::FAMILIES,
     crate::downstream::FAMILIES,
@@ -59,9 +65,9 @@ pub struct Application {
     router: Router,
     state: AppState,
     draining: Arc<AtomicBool>,
-    /// Handed to every background task the application starts (admission bookkeeping, the
-    /// rate limiter's sweeper and Redis prober, the runtime and pool samplers): the one way
-    /// they stop.
+    /// Handed to every background task the application starts (the queueing-delay probe,
+    /// admission control, the rate limiter's sweeper and Redis prober, the runtime and pool
+    /// samplers): the one way they stop.
     tasks: CancellationToken,
     /// Cancels `tasks` when dropped: after `run_until_stopped`, or when the application is
     /// dropped without ever being run.
@@ -89,11 +95,14 @@ impl Application {
             migrate_with_retry(&db, Duration::from_secs(30)).await?;
         }
         let client = build_client(&settings.http_client)?;
-        let downstreams = Arc::new(Downstreams::new(&settings, client));
+        // Whether the gateway's own CPU is the bottleneck: the admission limit follows it, and
+        // the breakers do not blame the downstreams for it.
+        let queue_delay = QueueDelay::spawn(settings.overload.queue_delay_target, tasks.clone());
+        let downstreams = Arc::new(Downstreams::new(&settings, client, &queue_delay));
         let admission = settings
             .admission
             .enabled
-            .then(|| Admission::new(&settings, tasks.clone()));
+            .then(|| Admission::new(&settings, &queue_delay, tasks.clone()));
         let rate_limiter = if settings.rate_limit.enabled {
             Some(Arc::new(
                 RateLimiter::new(&settings.rate_limit, tasks.clone()).await?,
@@ -188,9 +197,14 @@ impl Application {
                 tokio::spawn(refuse_connection(stream));
                 continue;
             };
+            // The connection's pause after a 503 (`admission.pushback`): the edge sets it, the
+            // IO wrapper below honours it.
+            let pushback = Arc::new(Pushback::new());
+            let io = Pausable::new(stream, Arc::clone(&pushback));
             let service = router.clone().map_request(
                 move |mut req: axum::http::Request<hyper::body::Incoming>| {
                     req.extensions_mut().insert(ConnectInfo(peer));
+                    req.extensions_mut().insert(Arc::clone(&pushback));
                     req
                 },
             );
@@ -204,13 +218,13 @@ impl Application {
                 // enough bytes to pick HTTP/1 or HTTP/2: a client that connects and sends
                 // nothing would hold its connection slot forever (with max_connections = N,
                 // N silent sockets lock everyone out). Give it the same time to start.
-                if !first_byte_within(&stream, first_byte_timeout).await {
+                if !first_byte_within(io.get_ref(), first_byte_timeout).await {
                     drop(permit);
                     return;
                 }
                 let conn = builder
                     .serve_connection_with_upgrades(
-                        TokioIo::new(stream),
+                        TokioIo::new(io),
                         TowerToHyperService::new(service),
                     )
                     .into_owned();

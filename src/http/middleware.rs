@@ -1,4 +1,5 @@
-//! The request layers, admission and rate limiting as axum middleware functions, composed in
+//! The request layers as axum middleware functions (admission and rate limiting are the edge's,
+//! `super::edge`), composed in
 //! [`super::router`] outermost first:
 //!
 //! - [`request_context`] is the one place a request's identity is established: it validates or
@@ -16,7 +17,7 @@
 use std::{any::Any, sync::Arc, time::Duration};
 
 use axum::{
-    extract::{ConnectInfo, MatchedPath, Request, State},
+    extract::{MatchedPath, Request, State},
     http::{HeaderMap, HeaderValue, Method, Response, StatusCode},
     middleware::Next,
     response::IntoResponse,
@@ -24,14 +25,12 @@ use axum::{
 use tokio::time::Instant;
 use tracing::{Instrument, Span};
 
-use super::AppState;
+use super::{AppState, edge::Arrival};
 use crate::{
-    admission::Limiter,
     config::ServerSettings,
     context::{self, RequestContext},
     downstream::BUDGET_HEADER,
     error::{ApiError, chain},
-    ratelimit::{Decision, RateLimiter},
     telemetry::{self, ActiveGuard, PollTimer, Telemetry},
 };
 
@@ -57,6 +56,22 @@ fn valid_request_id(v: &HeaderValue) -> Option<&str> {
     ok.then_some(s)
 }
 
+/// The caller's request id when it sent a valid one, else a new one.
+pub(super) fn request_id_or_new(headers: &HeaderMap) -> Arc<str> {
+    match headers.get(REQUEST_ID).and_then(valid_request_id) {
+        Some(id) => id.into(),
+        None => uuid::Uuid::new_v4().simple().to_string().into(),
+    }
+}
+
+/// When the request arrived: at the edge when it passed one, else now.
+fn arrival(request: &Request) -> Instant {
+    request
+        .extensions()
+        .get::<Arrival>()
+        .map_or_else(Instant::now, |a| a.0)
+}
+
 /// The caller's remaining budget, if it sent one, so a deadline is never extended hop by hop.
 fn caller_budget(headers: &HeaderMap) -> Option<Duration> {
     let ms: u64 = headers.get(BUDGET_HEADER)?.to_str().ok()?.parse().ok()?;
@@ -79,15 +94,12 @@ pub(super) async fn request_context(
     request: Request,
     next: Next,
 ) -> axum::response::Response {
-    let started = Instant::now();
+    let started = arrival(&request);
     let route = route_of(&request);
     let route = route_label(route.as_ref());
     let method = request.method();
     let headers = request.headers();
-    let request_id: Arc<str> = match headers.get(REQUEST_ID).and_then(valid_request_id) {
-        Some(id) => id.into(),
-        None => uuid::Uuid::new_v4().simple().to_string().into(),
-    };
+    let request_id = request_id_or_new(headers);
     let budget = state.settings.server.request_deadline;
     let budget = caller_budget(headers).map_or(budget, |b| b.min(budget));
     let incoming_trace = telemetry::parse_traceparent(headers);
@@ -152,7 +164,7 @@ pub(super) async fn record(
         telemetry: &telemetry,
         route: route_of(&request),
         method: request.method().clone(),
-        started: Instant::now(),
+        started: arrival(&request),
         span: Span::current(),
         response: None,
     };
@@ -278,53 +290,6 @@ pub(super) async fn deadline(request: Request, next: Next) -> axum::response::Re
     match tokio::time::timeout_at(deadline, next.run(request)).await {
         Ok(response) => response,
         Err(_) => ApiError::GatewayTimeout.into_response(),
-    }
-}
-
-/// Admission for one route group (only mounted when admission control is enabled).
-pub(super) async fn admission(
-    State(limiter): State<Arc<Limiter>>,
-    request: Request,
-    next: Next,
-) -> axum::response::Response {
-    match limiter.acquire().await {
-        Ok(permit) => {
-            let response = next.run(request).await;
-            drop(permit);
-            response
-        }
-        Err(rejected) => ApiError::Unavailable {
-            reason: "the gateway is at its concurrency limit",
-            retry_after: rejected.retry_after,
-        }
-        .into_response(),
-    }
-}
-
-/// Per-client rate limiting, 429 (only mounted when it is enabled).
-pub(super) async fn rate_limit(
-    State(limiter): State<Arc<RateLimiter>>,
-    request: Request,
-    next: Next,
-) -> axum::response::Response {
-    let peer = request
-        .extensions()
-        .get::<ConnectInfo<std::net::SocketAddr>>()
-        .map(|c| c.0.ip());
-    match limiter.check(request.headers(), peer).await {
-        Decision::Allowed { headers } => {
-            let mut response = next.run(request).await;
-            response.headers_mut().extend(headers);
-            response
-        }
-        Decision::Limited {
-            headers,
-            retry_after,
-        } => {
-            let mut response = ApiError::RateLimited { retry_after }.into_response();
-            response.headers_mut().extend(headers);
-            response
-        }
     }
 }
 

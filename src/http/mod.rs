@@ -1,14 +1,16 @@
 //! The HTTP surface: state, routes, and the tower stack, declared in one place.
 //!
 //! Layers are listed outermost first in [`router`]; each carries a one-line reason. Health and
-//! metrics routes sit outside admission and rate limiting: they must answer precisely when the
-//! gateway is overloaded, and they are cheap.
+//! metrics routes are not admission-controlled or rate-limited (the edge passes them): they
+//! must answer precisely when the gateway is overloaded, and they are cheap.
 
 mod dashboard;
+mod edge;
 mod extract;
 mod health;
 mod middleware;
 mod orders;
+pub(crate) mod pushback;
 
 use std::sync::{Arc, atomic::AtomicBool};
 
@@ -16,15 +18,14 @@ use axum::{Router, extract::DefaultBodyLimit, middleware::from_fn_with_state, ro
 use tower::ServiceBuilder;
 
 use crate::{
-    admission::Admission,
-    config::{RouteGroup, Settings},
-    db::Db,
-    downstream::Downstreams,
-    error::ApiError,
-    fanout::FanoutMetrics,
-    ratelimit::RateLimiter,
-    telemetry::Telemetry,
+    admission::Admission, config::Settings, db::Db, downstream::Downstreams, error::ApiError,
+    fanout::FanoutMetrics, ratelimit::RateLimiter, telemetry::Telemetry,
 };
+
+/// The admission-controlled routes; the edge matches them by path before the router runs.
+pub(crate) const DASHBOARD: &str = "/api/v1/dashboard/{user_id}";
+pub(crate) const ORDERS: &str = "/api/v1/orders";
+pub(crate) const ORDER: &str = "/api/v1/orders/{id}";
 
 /// Everything a handler may need, built once at start-up. Cheap to clone.
 #[derive(Clone)]
@@ -44,35 +45,11 @@ pub struct AppState {
 /// The whole application as a pure value: tests can drive it with `oneshot` or serve it.
 /// `extra` routes (tests, diagnostics) get the same request layers as the API.
 pub fn router(state: AppState, extra: Router<AppState>) -> Router {
-    // A disabled feature adds no layer.
-    let admit = |group: RouteGroup| {
-        ServiceBuilder::new().option_layer(
-            state
-                .admission
-                .as_ref()
-                .map(|a| from_fn_with_state(a.limiter(group), middleware::admission)),
-        )
-    };
-    let rate_limit = ServiceBuilder::new().option_layer(
-        state
-            .rate_limiter
-            .clone()
-            .map(|limiter| from_fn_with_state(limiter, middleware::rate_limit)),
-    );
-
-    let dashboard = Router::new()
-        .route("/api/v1/dashboard/{user_id}", get(dashboard::get_dashboard))
-        .route_layer(admit(RouteGroup::Dashboard));
-    let orders = Router::new()
-        .route("/api/v1/orders", axum::routing::post(orders::create_order))
-        .route("/api/v1/orders/{id}", get(orders::get_order))
-        .route_layer(admit(RouteGroup::Orders));
-
-    let api = dashboard
-        .merge(orders)
-        .merge(extra)
-        // 429 before 503: a client over its own limit should not take an admission slot.
-        .route_layer(rate_limit);
+    let api = Router::new()
+        .route(DASHBOARD, get(dashboard::get_dashboard))
+        .route(ORDERS, axum::routing::post(orders::create_order))
+        .route(ORDER, get(orders::get_order))
+        .merge(extra);
 
     let ops = Router::new()
         .route("/healthz", get(health::healthz))
@@ -80,11 +57,23 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
         .route("/metrics", get(health::metrics));
 
     let server = Arc::new(state.settings.server.clone());
+    let edge = Arc::new(edge::Edge {
+        admission: state.admission.clone(),
+        rate_limiter: state.rate_limiter.clone(),
+        telemetry: Arc::clone(&state.telemetry),
+        pushback: state.settings.admission.pushback,
+    });
+    // A disabled feature adds no layer.
+    let edge = edge.active().then(|| from_fn_with_state(edge, edge::edge));
     api.merge(ops)
         .fallback(|| async { ApiError::NotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(
             ServiceBuilder::new()
+                // Rate limit (429) then admission (503), before anything else is spent on the
+                // request: under overload most requests end here, and what a "no" costs
+                // decides what is left for the admitted ones.
+                .option_layer(edge)
                 // Request id, deadline and trace context into the task-local; the request span
                 // around everything below.
                 .layer(from_fn_with_state(
