@@ -113,6 +113,10 @@ impl fmt::Display for Report<'_> {
         )?;
         writeln!(
             f,
+            "                        (for admission.mode = \"static\"; the default, adaptive, finds it)"
+        )?;
+        writeln!(
+            f,
             "  busy connections    = {per_replica:.0} req/s × {} q/req × {} ms = {:.2}",
             i.db_queries_per_request,
             millis(i.db_latency),
@@ -207,6 +211,7 @@ mod tests {
             "Little's law, per replica (2 replica(s), 2500 req/s each):",
             "  requests in flight  = 2500 req/s × 100 ms = 250.0",
             "  admission limit     = ceil(250.0 × 1.5) = 375",
+            "                        (for admission.mode = \"static\"; the default, adaptive, finds it)",
             "  busy connections    = 2500 req/s × 1 q/req × 2.5 ms = 6.25",
             "  pool size           = ceil(6.25 × 1.5) = 10",
             "  fleet ceiling       = (100 − 10) / 2 = 45 per replica",

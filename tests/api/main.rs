@@ -9,5 +9,6 @@ mod health;
 mod helpers;
 mod observability;
 mod orders;
+mod overload;
 mod ratelimit;
 mod resilience;

@@ -264,7 +264,10 @@ async fn over_its_rate_a_client_gets_429_while_a_full_gateway_gives_others_503()
     let app = spawn_app_with(|s| {
         limit(s, 1, 2);
         s.admission.max_in_flight = nz(1);
+        s.admission.mode = tributary::config::AdmissionMode::Static;
         s.admission.max_wait = Duration::from_millis(50);
+        // Not what this test is about: a paused connection would let the bucket refill.
+        s.admission.pushback = false;
         s.downstreams.users.timeout = Duration::from_secs(5);
     })
     .await;

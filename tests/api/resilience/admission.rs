@@ -27,6 +27,7 @@ async fn a_burst_of_ten_times_the_admission_limit_sheds_the_excess_with_503_and_
     // Arrange: ten slots, every request holding one for 200 ms.
     let app = spawn_app_with(|s| {
         s.admission.max_in_flight = nz(10);
+        s.admission.mode = tributary::config::AdmissionMode::Static;
         s.admission.max_wait = Duration::from_millis(5);
         for d in s.downstreams.iter_mut() {
             d.timeout = Duration::from_secs(1);
@@ -129,6 +130,7 @@ async fn memory_stays_bounded_across_repeated_bursts() {
     const BOUND: u64 = 200 * 1024 * 1024;
     let app = spawn_app_with(|s| {
         s.admission.max_in_flight = nz(20);
+        s.admission.mode = tributary::config::AdmissionMode::Static;
         s.admission.max_wait = Duration::from_millis(5);
         s.server.request_deadline = Duration::from_secs(5);
         for d in s.downstreams.iter_mut() {
@@ -198,6 +200,7 @@ async fn a_storm_of_client_disconnects_leaks_no_permits_tasks_or_downstream_call
         // clients go away, the rest is inside the fan-out with every bulkhead full. Nothing
         // times out by itself before the clients leave.
         s.admission.max_in_flight = nz(16);
+        s.admission.mode = tributary::config::AdmissionMode::Static;
         s.admission.max_wait = Duration::from_secs(5);
         s.server.request_deadline = Duration::from_secs(10);
         for d in s.downstreams.iter_mut() {
@@ -324,6 +327,10 @@ async fn readiness_turns_off_under_heavy_shedding_and_comes_back_only_after_the_
     let _serial = serial().await;
     let app = spawn_app_with(|s| {
         s.admission.max_in_flight = nz(2);
+        s.admission.mode = tributary::config::AdmissionMode::Static;
+        // The load's clients retry after 10 ms; paused connections would make the shedding
+        // light, which is pushback's point but not this test's.
+        s.admission.pushback = false;
         s.admission.max_wait = Duration::from_millis(1);
         s.admission.unready_after_secs = 1;
         s.admission.ready_after_secs = 2;
@@ -367,7 +374,7 @@ async fn readiness_turns_off_under_heavy_shedding_and_comes_back_only_after_the_
 async fn the_adaptive_limit_goes_down_when_downstream_latency_rises_under_load() {
     let _serial = serial().await;
     let app = spawn_app_with(|s| {
-        s.admission.mode = tributary::config::AdmissionMode::Adaptive;
+        s.admission.mode = tributary::config::AdmissionMode::Gradient2;
         s.admission.max_wait = Duration::from_millis(20);
         // More clients than the limit can ever reach, so the limiter is never
         // application-limited (Gradient2 does not move an idle limit, in either direction).
