@@ -24,6 +24,10 @@
 //!
 //! Permits are RAII guards: a request that ends in any way — response, error, panic, client
 //! disconnect — returns its permit, so in-flight counts always go back to zero.
+//!
+//! The limiter, its control loop and readiness stay in this file (over 500 lines, a fifth of
+//! them tests): they share the limiter's counters, and the decision reads best beside the
+//! bookkeeping that feeds it. The algorithms that move the limit are in [`limit`].
 
 pub(crate) mod limit;
 

@@ -19,6 +19,10 @@
 //! They are counted in `tributary_downstream_breaker_ignored_total`. While the runtime is
 //! saturated there are no retries and no hedges either: they would add load to the one
 //! resource that is short.
+//!
+//! One file (over 500 lines with its tests) because a call's path — breaker ticket, bulkhead,
+//! retries, hedging, the exchange and the verdict on its failure — is one sequence, best read
+//! top to bottom; the breaker, which has state of its own, is [`breaker`].
 
 pub mod breaker;
 
