@@ -1,0 +1,510 @@
+//! Load generator of the benchmark lab's `overload-curve` scenario (see `bench/`).
+//!
+//! The rest of the lab drives load with wrk, which can only do one thing: a closed loop, where
+//! each connection sends its next request the moment the previous answer arrives. That is the
+//! worst client an overloaded server can have (a rejection comes back at once as a new
+//! request), but it is not the only one, and it hides two others the overload curve needs:
+//!
+//! - **open loop** (`--rate R`): requests arrive on a fixed schedule, R per second, whatever the
+//!   server does, as real traffic from many independent users does. wrk cannot do this (its
+//!   offered load falls as the server slows down: coordinated omission); `oha -q R` can and is an
+//!   alternative, but it neither tells a degraded dashboard from a full one nor honours
+//!   `Retry-After`. Requests go out over a pool of keep-alive connections; when every
+//!   connection is busy a new one is opened, up to `--max-connections`; a request that finds no
+//!   free connection at the cap is not sent and counts as `unsent` (late). Latency is measured
+//!   from the request's *scheduled* time, so queueing in the client is not hidden.
+//! - **a client that honours `Retry-After`** (`--retry-after N`): a closed loop of N connections
+//!   that, on a 503 or 429, waits the `Retry-After` seconds (1 s when the header is missing,
+//!   which is counted) before its next request on that connection, as SDKs with a retry policy do.
+//! - and the closed loop itself (`--closed N`), so all three shapes count outcomes the same way.
+//!
+//! Outcomes: a **full** 200 (the dashboard's `degraded` list is empty, or the body has no such
+//! field), a **degraded** 200 (`"degraded":[...]` names a part: see `src/fanout.rs`), 503, 429,
+//! other statuses, and socket errors by kind (connect, read, write, timeout after `--timeout`).
+//! Each outcome has its own HDR latency histogram. Requests still in flight when `--duration`
+//! ends are counted as `in_flight_at_end`, not as errors. A response with `Connection: close`
+//! (or a connection the server closed) makes the client reconnect; that is counted, not an error.
+//!
+//! The result is one JSON document, written to `--json PATH` (or `$LOADGEN_JSON`), and one
+//! summary line on stdout. `bench/lib/measure.py --loadgen` runs it and folds the JSON into the
+//! lab's run record. Example:
+//!
+//! ```sh
+//! cargo build --release --example loadgen
+//! target/release/examples/loadgen --target http://127.0.0.1:8080 --rate 5000 --duration 10 \
+//!     --path-template '/api/v1/dashboard/{id}' --id-max 10000 --json /tmp/run.json
+//! ```
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use clap::Parser;
+use hdrhistogram::Histogram;
+use http_body_util::{BodyExt as _, Empty};
+use hyper::client::conn::http1::SendRequest;
+use hyper::{Request, header};
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+#[derive(Parser, Debug)]
+#[command(about = "Closed-loop, open-loop and Retry-After-honouring HTTP/1.1 load generator")]
+struct Args {
+    /// Base URL of the server, e.g. http://127.0.0.1:8080
+    #[arg(long)]
+    target: String,
+    /// Closed loop: N connections, each sending its next request as soon as the answer arrives.
+    #[arg(long, group = "mode")]
+    closed: Option<usize>,
+    /// Open loop: R requests per second on a fixed schedule.
+    #[arg(long, group = "mode")]
+    rate: Option<f64>,
+    /// Closed loop of N connections that waits Retry-After seconds after a 503 or 429.
+    #[arg(long, group = "mode")]
+    retry_after: Option<usize>,
+    /// Seconds of load.
+    #[arg(long, default_value_t = 10.0)]
+    duration: f64,
+    /// Request path; `{id}` is replaced by a uniform random id in 1..=--id-max.
+    #[arg(long, default_value = "/")]
+    path_template: String,
+    #[arg(long, default_value_t = 1)]
+    id_max: u64,
+    /// Open loop: most connections open at once.
+    #[arg(long, default_value_t = 10_000)]
+    max_connections: usize,
+    /// Seconds after which an unanswered request counts as a timeout (wrk's default is 2 s, the lab's 10 s).
+    #[arg(long, default_value_t = 10.0)]
+    timeout: f64,
+    /// Where to write the JSON result (default: $LOADGEN_JSON; neither: stdout only).
+    #[arg(long, env = "LOADGEN_JSON")]
+    json: Option<PathBuf>,
+}
+
+/// How one request ended.
+#[derive(Clone, Copy, PartialEq)]
+enum Outcome {
+    Full,
+    Degraded,
+    Rejected503,
+    Rejected429,
+    Other(u16),
+    Connect,
+    Read,
+    Write,
+    Timeout,
+}
+
+/// Everything counted, shared by all tasks (the runtime has one thread: the lock is uncontended).
+struct Stats {
+    full: Histogram<u64>,
+    degraded: Histogram<u64>,
+    rejected: Histogram<u64>,
+    other: Histogram<u64>,
+    status: BTreeMap<u16, u64>,
+    errors: BTreeMap<&'static str, u64>,
+    sent: u64,
+    unsent: u64,
+    reconnects: u64,
+    connections_opened: u64,
+    connections_max: usize,
+    open: usize,
+    retry_after_waits: u64,
+    retry_after_missing: u64,
+    retry_after_wait_s: f64,
+}
+
+impl Stats {
+    fn new() -> Self {
+        let h = || Histogram::new_with_bounds(1, 120_000_000, 3).expect("valid bounds");
+        Stats {
+            full: h(),
+            degraded: h(),
+            rejected: h(),
+            other: h(),
+            status: BTreeMap::new(),
+            errors: ["connect", "read", "write", "timeout"]
+                .map(|k| (k, 0))
+                .into(),
+            sent: 0,
+            unsent: 0,
+            reconnects: 0,
+            connections_opened: 0,
+            connections_max: 0,
+            open: 0,
+            retry_after_waits: 0,
+            retry_after_missing: 0,
+            retry_after_wait_s: 0.0,
+        }
+    }
+
+    fn record(&mut self, outcome: Outcome, latency: Duration) {
+        let us = u64::try_from(latency.as_micros())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let (histogram, status, error) = match outcome {
+            Outcome::Full => (Some(&mut self.full), Some(200), None),
+            Outcome::Degraded => (Some(&mut self.degraded), Some(200), None),
+            Outcome::Rejected503 => (Some(&mut self.rejected), Some(503), None),
+            Outcome::Rejected429 => (Some(&mut self.rejected), Some(429), None),
+            Outcome::Other(s) => (Some(&mut self.other), Some(s), None),
+            Outcome::Connect => (None, None, Some("connect")),
+            Outcome::Read => (None, None, Some("read")),
+            Outcome::Write => (None, None, Some("write")),
+            Outcome::Timeout => (None, None, Some("timeout")),
+        };
+        if let Some(h) = histogram {
+            h.saturating_record(us);
+        }
+        if let Some(s) = status {
+            *self.status.entry(s).or_default() += 1;
+        }
+        if let Some(e) = error {
+            *self.errors.entry(e).or_default() += 1;
+        }
+    }
+
+    fn opened(&mut self) {
+        self.open += 1;
+        self.connections_opened += 1;
+        self.connections_max = self.connections_max.max(self.open);
+    }
+}
+
+/// What every task needs: where to send, what, until when.
+struct Shared {
+    addr: SocketAddr,
+    host: String,
+    template: String,
+    id_max: u64,
+    timeout: Duration,
+    deadline: Instant,
+    stats: Mutex<Stats>,
+    /// Open loop: idle keep-alive connections.
+    idle: Mutex<Vec<SendRequest<Empty<Bytes>>>>,
+}
+
+impl Shared {
+    fn stats(&self) -> std::sync::MutexGuard<'_, Stats> {
+        self.stats.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn path(&self) -> String {
+        if self.id_max > 1 || self.template.contains("{id}") {
+            let id = rand::random_range(1..=self.id_max.max(1));
+            self.template.replace("{id}", &id.to_string())
+        } else {
+            self.template.clone()
+        }
+    }
+}
+
+async fn connect(shared: &Shared) -> anyhow::Result<SendRequest<Empty<Bytes>>> {
+    let stream = TcpStream::connect(shared.addr).await?;
+    stream.set_nodelay(true)?;
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(sender)
+}
+
+/// A finished exchange: the outcome, whether the connection can be reused, the Retry-After.
+struct Answer {
+    outcome: Outcome,
+    reusable: bool,
+    retry_after: Option<Option<u64>>,
+}
+
+/// One request on an open connection. `None`: the run ended before the answer arrived.
+async fn exchange(shared: &Shared, sender: &mut SendRequest<Empty<Bytes>>) -> Option<Answer> {
+    let request = Request::get(shared.path())
+        .header(header::HOST, &shared.host)
+        .body(Empty::new())
+        .expect("a valid request");
+    let until = shared.deadline.min(Instant::now() + shared.timeout);
+    let work = async {
+        if sender.ready().await.is_err() {
+            return Err(Outcome::Write);
+        }
+        let response = sender.send_request(request).await.map_err(|e| {
+            if e.is_canceled() || e.is_body_write_aborted() {
+                Outcome::Write
+            } else {
+                Outcome::Read
+            }
+        })?;
+        let status = response.status().as_u16();
+        let close = response
+            .headers()
+            .get(header::CONNECTION)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+        let retry_after = response
+            .headers()
+            .get(header::RETRY_AFTER)
+            .map(|v| v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()));
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|_| Outcome::Read)?
+            .to_bytes();
+        let outcome = match status {
+            200 if is_degraded(&body) => Outcome::Degraded,
+            200 => Outcome::Full,
+            503 => Outcome::Rejected503,
+            429 => Outcome::Rejected429,
+            s => Outcome::Other(s),
+        };
+        Ok((outcome, close, retry_after))
+    };
+    match tokio::time::timeout_at(until, work).await {
+        Ok(Ok((outcome, close, retry_after))) => Some(Answer {
+            outcome,
+            reusable: !close && !sender.is_closed(),
+            retry_after: matches!(outcome, Outcome::Rejected503 | Outcome::Rejected429)
+                .then_some(retry_after.flatten()),
+        }),
+        Ok(Err(outcome)) => Some(Answer {
+            outcome,
+            reusable: false,
+            retry_after: None,
+        }),
+        Err(_) if until < shared.deadline => Some(Answer {
+            outcome: Outcome::Timeout,
+            reusable: false,
+            retry_after: None,
+        }),
+        Err(_) => None,
+    }
+}
+
+/// A 200 is degraded when the dashboard's `"degraded":[...]` list (its last field) names a part.
+fn is_degraded(body: &[u8]) -> bool {
+    const KEY: &[u8] = b"\"degraded\":[";
+    body.windows(KEY.len())
+        .rposition(|w| w == KEY)
+        .is_some_and(|at| body.get(at + KEY.len()).is_some_and(|&c| c != b']'))
+}
+
+/// One closed-loop connection; with `honour`, it waits Retry-After after a rejection.
+async fn closed_loop(shared: Arc<Shared>, honour: bool) {
+    let mut sender: Option<SendRequest<Empty<Bytes>>> = None;
+    while Instant::now() < shared.deadline {
+        let started = Instant::now();
+        let mut conn = match sender.take() {
+            Some(s) => s,
+            None => match tokio::time::timeout_at(shared.deadline, connect(&shared)).await {
+                Ok(Ok(s)) => {
+                    shared.stats().opened();
+                    s
+                }
+                Ok(Err(_)) => {
+                    shared.stats().record(Outcome::Connect, started.elapsed());
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+                Err(_) => return,
+            },
+        };
+        shared.stats().sent += 1;
+        let Some(answer) = exchange(&shared, &mut conn).await else {
+            return;
+        };
+        let latency = started.elapsed();
+        let wait = {
+            let mut stats = shared.stats();
+            stats.record(answer.outcome, latency);
+            if answer.reusable {
+                sender = Some(conn);
+            } else {
+                stats.open -= 1;
+                stats.reconnects += 1;
+            }
+            match answer.retry_after {
+                Some(seconds) if honour => {
+                    stats.retry_after_waits += 1;
+                    stats.retry_after_missing += u64::from(seconds.is_none());
+                    let wait = Duration::from_secs(seconds.unwrap_or(1));
+                    stats.retry_after_wait_s += wait.as_secs_f64();
+                    Some(wait)
+                }
+                _ => None,
+            }
+        };
+        if let Some(wait) = wait {
+            tokio::time::sleep_until(shared.deadline.min(Instant::now() + wait)).await;
+        }
+    }
+}
+
+/// One open-loop request, scheduled for `at`, on `sender` or on a new connection.
+async fn open_request(shared: Arc<Shared>, at: Instant, sender: Option<SendRequest<Empty<Bytes>>>) {
+    let mut conn = match sender {
+        Some(s) => s,
+        None => match tokio::time::timeout_at(shared.deadline, connect(&shared)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(_)) => {
+                let mut stats = shared.stats();
+                stats.open -= 1;
+                stats.record(Outcome::Connect, at.elapsed());
+                return;
+            }
+            Err(_) => return,
+        },
+    };
+    shared.stats().sent += 1;
+    let answer = exchange(&shared, &mut conn).await;
+    let mut stats = shared.stats();
+    match answer {
+        Some(a) if a.reusable => {
+            stats.record(a.outcome, at.elapsed());
+            drop(stats);
+            shared
+                .idle
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(conn);
+        }
+        Some(a) => {
+            stats.record(a.outcome, at.elapsed());
+            stats.open -= 1;
+            stats.reconnects += 1;
+        }
+        None => stats.open -= 1,
+    }
+}
+
+/// The open-loop schedule: request i is due at start + i / rate.
+async fn open_loop(shared: Arc<Shared>, rate: f64, max_connections: usize) {
+    let start = Instant::now();
+    let mut dispatched: u64 = 0;
+    while Instant::now() < shared.deadline {
+        let due = (start.elapsed().as_secs_f64() * rate) as u64;
+        while dispatched < due {
+            let at = start + Duration::from_secs_f64(dispatched as f64 / rate);
+            dispatched += 1;
+            let idle = shared
+                .idle
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop();
+            if idle.is_none() {
+                let mut stats = shared.stats();
+                if stats.open >= max_connections {
+                    stats.unsent += 1;
+                    continue;
+                }
+                stats.opened();
+            }
+            tokio::spawn(open_request(Arc::clone(&shared), at, idle));
+        }
+        let next = start + Duration::from_secs_f64(dispatched as f64 / rate);
+        tokio::time::sleep_until(next.max(Instant::now() + Duration::from_micros(500))).await;
+    }
+}
+
+fn summary(h: &Histogram<u64>) -> Value {
+    let ms = |us: u64| us as f64 / 1000.0;
+    if h.is_empty() {
+        return json!({"count": 0});
+    }
+    let q = |q: f64| ms(h.value_at_quantile(q));
+    json!({
+        "count": h.len(), "mean": h.mean() / 1000.0, "max": ms(h.max()),
+        "p50": q(0.5), "p75": q(0.75), "p90": q(0.9), "p99": q(0.99), "p99.9": q(0.999), "p99.99": q(0.9999),
+    })
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let uri: hyper::Uri = args.target.parse().context("--target must be a URL")?;
+    let authority = uri.authority().context("--target needs host:port")?.clone();
+    let port = authority.port_u16().unwrap_or(80);
+    let addr = tokio::net::lookup_host((authority.host(), port))
+        .await?
+        .next()
+        .context("--target does not resolve")?;
+    let (mode, load) = match (args.closed, args.rate, args.retry_after) {
+        (Some(n), None, None) => ("closed", n as f64),
+        (None, Some(r), None) if r > 0.0 => ("open", r),
+        (None, None, Some(n)) => ("retry-after", n as f64),
+        _ => anyhow::bail!("give exactly one of --closed N, --rate R (> 0), --retry-after N"),
+    };
+    let started = Instant::now();
+    let shared = Arc::new(Shared {
+        addr,
+        host: authority.to_string(),
+        template: args.path_template.clone(),
+        id_max: args.id_max,
+        timeout: Duration::from_secs_f64(args.timeout),
+        deadline: started + Duration::from_secs_f64(args.duration),
+        stats: Mutex::new(Stats::new()),
+        idle: Mutex::new(Vec::new()),
+    });
+    let mut tasks = tokio::task::JoinSet::new();
+    match mode {
+        "open" => {
+            tasks.spawn(open_loop(Arc::clone(&shared), load, args.max_connections));
+        }
+        _ => {
+            for _ in 0..load as usize {
+                tasks.spawn(closed_loop(Arc::clone(&shared), mode == "retry-after"));
+            }
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+    // Open-loop requests still in flight: give them until the deadline (they already have it).
+    tokio::time::sleep_until(shared.deadline).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    let s = shared.stats();
+    let answered: u64 = s.status.values().sum();
+    let errors: u64 = s.errors.values().sum();
+    let full = s.full.len();
+    let result = json!({
+        "schema": 1,
+        "mode": mode,
+        "connections": (mode != "open").then_some(load as u64),
+        "rate": (mode == "open").then_some(load),
+        "max_connections": (mode == "open").then_some(args.max_connections),
+        "duration_s": elapsed,
+        "sent": s.sent,
+        "unsent_late": s.unsent,
+        "answered": answered,
+        // Connect errors happen before a request is sent; the other errors end a sent one.
+        "in_flight_at_end": s.sent.saturating_sub(answered + errors - s.errors["connect"]),
+        "outcomes": {
+            "full": full, "degraded": s.degraded.len(),
+            "503": s.status.get(&503).copied().unwrap_or(0), "429": s.status.get(&429).copied().unwrap_or(0),
+            "other": s.other.len(),
+        },
+        "status": s.status.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "errors": s.errors,
+        "latency_ms": {
+            "full": summary(&s.full), "degraded": summary(&s.degraded),
+            "rejected": summary(&s.rejected), "other": summary(&s.other),
+        },
+        "connections_opened": s.connections_opened,
+        "connections_max": s.connections_max,
+        "reconnects": s.reconnects,
+        "retry_after": {"waits": s.retry_after_waits, "missing": s.retry_after_missing, "wait_s": s.retry_after_wait_s},
+    });
+    println!(
+        "loadgen {mode} {load}: {:.0} full 200/s, {answered} answers ({:?}), {errors} socket errors, {} unsent",
+        full as f64 / elapsed,
+        s.status,
+        s.unsent
+    );
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&result)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
