@@ -144,17 +144,20 @@ bench_wait_http() {
   return 1
 }
 
-# The bench_server example binary; built on demand when missing (release or debug after BIN_DIR).
-bench_server_bin() {
-  local bin="$BIN_DIR/examples/bench_server"
+# An example binary (bench_server, loadgen); built on demand when missing (release or debug
+# after BIN_DIR).
+bench_example_bin() {
+  local bin="$BIN_DIR/examples/$1"
   if [[ ! -x "$bin" ]]; then
     local profile=()
     [[ "$(basename "$BIN_DIR")" == release ]] && profile=(--release)
-    bench_log "building bench_server (${profile[*]:-debug})"
-    (cd "$REPO_DIR" && cargo build "${profile[@]}" --example bench_server >&2)
+    bench_log "building $1 (${profile[*]:-debug})"
+    (cd "$REPO_DIR" && cargo build "${profile[@]}" --example "$1" >&2)
   fi
   echo "$bin"
 }
+
+bench_server_bin() { bench_example_bin bench_server; }
 
 # Start bench_server on core 0 with one tokio worker; sets SERVER_PID.
 bench_start_bench_server() {

@@ -16,6 +16,13 @@ What a run records, and where each number comes from:
 * the scenario's physical limit (Little's law, passed in by the scenario) and
   efficiency = successful req/s / limit.
 
+With ``--loadgen BIN`` the load comes from ``examples/loadgen.rs`` instead of wrk (the
+overload-curve scenario): ``--shape closed|open|retry-after`` (``--rate`` for open; open loop
+uses ``--connections`` as its connection cap). Its JSON is folded in under ``loadgen`` and
+``goodput`` (full, non-degraded 200s), and ``latency_ms`` is then the latency of the full 200s;
+``--gauge-series`` also keeps the once-a-second gauge samples (admission limit, shedding,
+circuit states) as a time series.
+
 An optional probe (``--probe-url``) runs a second, small wrk at the same time against a light
 endpoint: its latency shows whether the server's workers stay responsive under the main load.
 """
@@ -33,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -165,6 +173,93 @@ class Wrk:
         return self.rusage.ru_utime + self.rusage.ru_stime
 
 
+class Loadgen:
+    """examples/loadgen pinned to the load-generator core; same interface as Wrk."""
+
+    def __init__(self, binary: str, url: str, shape: str, connections: int, rate: float | None,
+                 duration: float, timeout: str, cpus: str | None, env: dict[str, str]):
+        self.json = tempfile.NamedTemporaryFile(prefix="loadgen-", suffix=".json", delete=False,
+                                                dir=os.environ.get("BENCH_LOG_DIR") or None)
+        self.json.close()
+        parts = urllib.parse.urlsplit(url)
+        if shape == "open":
+            load = ["--rate", f"{rate:g}", "--max-connections", str(connections)]
+        else:
+            load = [f"--{shape}", str(connections)]
+        self.command = [
+            binary, "--target", f"{parts.scheme}://{parts.netloc}", *load, "--duration", f"{duration:g}",
+            "--timeout", str(float(timeout.rstrip("s"))), "--json", self.json.name,
+            "--path-template", env.get("WRK_PATH_TEMPLATE", parts.path or "/"),
+            "--id-max", env.get("WRK_ID_MAX", "1"),
+        ]
+        if cpus:
+            self.command = ["taskset", "-c", cpus, *self.command]
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.rusage = None
+
+    def wait(self) -> dict:
+        _, status, rusage = os.wait4(self.process.pid, 0)
+        self.process.returncode = os.waitstatus_to_exitcode(status)
+        self.rusage = rusage
+        self.log.seek(0)
+        text = self.log.read().decode(errors="replace")
+        try:
+            raw = json.loads(Path(self.json.name).read_text())
+        except (OSError, ValueError):
+            raise SystemExit(f"loadgen wrote no JSON (rc={self.process.returncode}):\n{text}") from None
+        finally:
+            Path(self.json.name).unlink(missing_ok=True)
+        return raw
+
+    @property
+    def cpu_seconds(self) -> float:
+        return self.rusage.ru_utime + self.rusage.ru_stime
+
+
+def summarise_loadgen(raw: dict) -> dict:
+    """The loadgen JSON in the run schema's terms, plus goodput and the offered load."""
+    duration = raw["duration_s"]
+    statuses = {k: v for k, v in sorted(raw["status"].items(), key=lambda kv: int(kv[0]))}
+    ok = sum(v for k, v in statuses.items() if 200 <= int(k) < 300)
+    full = raw["outcomes"]["full"]
+    socket_errors = {k: raw["errors"].get(k, 0) for k in ("connect", "read", "write", "timeout")}
+    latency = raw["latency_ms"]["full"]
+    return {
+        "duration_s": round(duration, 3),
+        "requests": raw["answered"],
+        "ok_requests": ok,
+        "rps": round(raw["answered"] / duration, 1),
+        "ok_rps": round(ok / duration, 1),
+        "latency_ms": {k: latency.get(k) for k in ("p50", "p75", "p90", "p99", "p99.9", "p99.99", "mean", "max")},
+        "latency_basis": "full (non-degraded) 200s only, from each request's send time (open loop: its scheduled time)",
+        "errors": {
+            "non_2xx_by_status": {k: v for k, v in statuses.items() if not 200 <= int(k) < 300},
+            "socket": socket_errors,
+            "socket_total": sum(socket_errors.values()),
+        },
+        "status_counts": statuses,
+        "goodput": {
+            "full_requests": full,
+            "full_rps": round(full / duration, 1),
+            "degraded_requests": raw["outcomes"]["degraded"],
+            "rejected_503": raw["outcomes"]["503"],
+            "rejected_429": raw["outcomes"]["429"],
+            "other_status": raw["outcomes"]["other"],
+        },
+        "offered": {
+            "shape": raw["mode"],
+            "connections": raw.get("connections"),
+            "rate": raw.get("rate"),
+            "sent": raw["sent"],
+            "sent_rps": round(raw["sent"] / duration, 1),
+            "unsent_late": raw["unsent_late"],
+            "in_flight_at_end": raw["in_flight_at_end"],
+        },
+        "loadgen": raw,
+    }
+
+
 def summarise_wrk(raw: dict) -> dict:
     duration = raw["duration_us"] / 1e6
     statuses = {str(k): v for k, v in sorted(raw["status"].items(), key=lambda kv: int(kv[0]))}
@@ -241,6 +336,10 @@ def main() -> None:
     ap.add_argument("--timeout", default="10s", help="wrk --timeout (slower responses count as timeouts)")
     ap.add_argument("--loadgen-cpus", default="1", help="taskset list for wrk; '' to leave unpinned")
     ap.add_argument("--wrk-env", action="append", help="KEY=VALUE for the wrk script")
+    ap.add_argument("--loadgen", help="examples/loadgen binary: use it instead of wrk")
+    ap.add_argument("--shape", choices=["closed", "open", "retry-after"], default="closed", help="loadgen's load shape")
+    ap.add_argument("--rate", type=float, help="open loop: requests per second")
+    ap.add_argument("--gauge-series", action="store_true", help="keep the once-a-second gauge samples")
     ap.add_argument("--probe-url")
     ap.add_argument("--probe-connections", type=int, default=4)
     ap.add_argument("--probe-delay-ms", type=int, default=10, help="pause between a probe connection's requests")
@@ -303,8 +402,15 @@ def wait_quiet(threshold: float, max_wait: float) -> tuple[float, float]:
 def measure_once(args) -> tuple[dict, str]:
     wrk_env = parse_kv(args.wrk_env)
     cpus = args.loadgen_cpus or None
+
+    def load(duration: float):
+        if args.loadgen:
+            return Loadgen(args.loadgen, args.url, args.shape, args.connections, args.rate, duration,
+                           args.timeout, cpus, wrk_env)
+        return Wrk(args.url, args.connections, duration, args.threads, args.timeout, cpus, wrk_env)
+
     if args.warmup > 0:
-        Wrk(args.url, args.connections, args.warmup, args.threads, args.timeout, cpus, wrk_env).wait()
+        load(args.warmup).wait()
 
     procs = {args.server_name: [args.server_pid],
              **{k: [int(p) for p in v.split(",") if p] for k, v in parse_kv(args.proc).items()}}
@@ -319,7 +425,7 @@ def measure_once(args) -> tuple[dict, str]:
     started = dt.datetime.now(dt.timezone.utc)
     t0 = time.monotonic()
 
-    main_wrk = Wrk(args.url, args.connections, args.duration, args.threads, args.timeout, cpus, wrk_env)
+    main_wrk = load(args.duration)
     probe = None
     if args.probe_url:
         probe = Wrk(args.probe_url, args.probe_connections, args.duration, 1, args.timeout, cpus,
@@ -341,7 +447,7 @@ def measure_once(args) -> tuple[dict, str]:
             if args.metrics_url and tick % 2 == 1:
                 values = promtext.sample_gauges(scrape(args.metrics_url))
                 if values:
-                    gauge_samples.append(values)
+                    gauge_samples.append({"t": round(time.monotonic() - t0, 2), **values})
             tick += 1
             stop.wait(0.5)
 
@@ -360,7 +466,7 @@ def measure_once(args) -> tuple[dict, str]:
     peak_rss_kib = proc_status_kib(args.server_pid, "VmHWM")
     builds = sorted(set(builds) | set(busy_builds()))
 
-    result = summarise_wrk(main_raw)
+    result = summarise_loadgen(main_raw) if args.loadgen else summarise_wrk(main_raw)
     processes = {}
     for name in procs:
         if cpu_before[name] is not None and cpu_after[name] is not None:
@@ -371,7 +477,7 @@ def measure_once(args) -> tuple[dict, str]:
         seconds = sum(after[pid] - before.get(pid, 0.0) for pid in after)
         processes[name] = {"processes": len(after), "cpu_s": round(seconds, 3), "cpu_util": round(seconds / wall, 3)}
     wrk_seconds = main_wrk.cpu_seconds + (probe.cpu_seconds if probe else 0.0)
-    processes["wrk"] = {"cpu_s": round(wrk_seconds, 3), "cpu_util": round(wrk_seconds / wall, 3)}
+    processes["loadgen" if args.loadgen else "wrk"] = {"cpu_s": round(wrk_seconds, 3), "cpu_util": round(wrk_seconds / wall, 3)}
 
     cores = {}
     for name, (busy, total) in cores_after.items():
@@ -407,12 +513,14 @@ def measure_once(args) -> tuple[dict, str]:
             "wrk_threads": args.threads,
             "wrk_timeout": args.timeout,
             "loadgen_cpus": cpus,
+            **({"shape": args.shape, "rate": args.rate} if args.loadgen else {}),
             **parse_kv(args.meta),
         },
         **result,
         "server_info": json.loads(info) if info else None,
         "limit": {"rps": limit, "basis": args.limit_basis},
-        "efficiency": round(result["ok_rps"] / limit, 3) if limit else None,
+        # Successful req/s over the limit; for loadgen runs the full (non-degraded) 200s only.
+        "efficiency": round(result.get("goodput", {}).get("full_rps", result["ok_rps"]) / limit, 3) if limit else None,
         "server": {
             "name": args.server_name,
             "cpu_s": server_cpu,
@@ -431,6 +539,8 @@ def measure_once(args) -> tuple[dict, str]:
     if metrics_before is not None or metrics_after is not None:
         run["metrics"] = promtext.run_metrics(metrics_before, metrics_after)
         run["metrics"]["gauges_sampled"] = promtext.summarise_gauges(gauge_samples)
+        if args.gauge_series:
+            run["metrics"]["gauge_series"] = gauge_samples
 
     lat = result["latency_ms"]
     line = (
@@ -440,6 +550,10 @@ def measure_once(args) -> tuple[dict, str]:
         f"non-2xx {sum(result['errors']['non_2xx_by_status'].values())}, socket {result['errors']['socket_total']}, "
         f"server CPU {run['server']['cpu_s_per_1000_requests']} s/1k req, peak RSS {run['server']['peak_rss_mb']} MB"
     )
+    if args.loadgen:
+        g, o = result["goodput"], result["offered"]
+        line += (f"; full 200 {g['full_rps']:.0f}/s, degraded {g['degraded_requests']}, 503 {g['rejected_503']}, "
+                 f"sent {o['sent_rps']:.0f}/s, unsent {o['unsent_late']}")
     if probe_raw:
         line += f"; probe p99 {run['probe']['latency_ms']['p99']} ms"
     line += f"; other processes {processes['other']['cpu_util']:.2f} cores"

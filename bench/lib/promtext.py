@@ -34,6 +34,8 @@ COUNTERS = [
     "tributary_fanout_degraded_total",
     "tributary_runtime_long_polls_total",
     "tributary_runtime_polls_total",
+    # Present only in builds that count breaker transitions (the overload curve reads to="open").
+    "tributary_downstream_circuit_transitions_total",
 ]
 GAUGES = [
     "process_resident_memory_bytes",
@@ -189,7 +191,13 @@ SAMPLED_GAUGES = {
     ("tributary_admission_permits_in_use", None): "admission_permits_in_use",
     ("process_resident_memory_bytes", None): "rss_bytes",
     ("process_open_fds", None): "open_fds",
+    ("tributary_admission_limit", ("group", "dashboard")): "admission_limit_dashboard",
+    ("tributary_admission_permits_in_use", ("group", "dashboard")): "admission_in_use_dashboard",
+    ("tributary_admission_shedding", None): "admission_shedding",
 }
+# Circuit-breaker state (0 closed, 1 half-open, 2 open), sampled as the number of downstreams
+# whose breaker is open / not closed at the sample.
+CIRCUIT_STATE = "tributary_downstream_circuit_state"
 
 
 def sample_gauges(text: str | None) -> dict[str, float]:
@@ -199,11 +207,14 @@ def sample_gauges(text: str | None) -> dict[str, float]:
         for (family, label_filter), key in SAMPLED_GAUGES.items():
             if name == family and (label_filter is None or label_filter in labels):
                 values[key] = values.get(key, 0.0) + value
+        if name == CIRCUIT_STATE:
+            values["circuits_open"] = values.get("circuits_open", 0.0) + (value >= 2)
+            values["circuits_not_closed"] = values.get("circuits_not_closed", 0.0) + (value >= 1)
     return values
 
 
 def summarise_gauges(samples: list[dict[str, float]]) -> dict:
-    keys = sorted({k for s in samples for k in s})
+    keys = sorted({k for s in samples for k in s} - {"t"})
     result: dict = {"samples": len(samples)}
     for key in keys:
         series = [s[key] for s in samples if key in s]
