@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# overload-curve: successful (full, non-degraded 200) req/s against offered load, 0.5x to 20x the
+# gateway's capacity, in three load shapes (closed loop, open loop, a client honouring
+# Retry-After), for four admission configurations. Load from examples/loadgen.rs.
+# shellcheck source-path=SCRIPTDIR source=../lib/common.sh
+source "$(dirname "$0")/../lib/common.sh"
+bench_init overload-curve
+
+duration=${BENCH_DURATION:-$(bench_pick 10 2)}
+warmup=$(bench_pick 3 1)
+# Points: the full run is 4 configurations x 14 points of ~17 s (3 s warm-up, 10 s measured,
+# gateway start and the quiet-machine check) plus the calibration: about 18 minutes.
+read -r -a closed_points <<<"${BENCH_CLOSED:-$(bench_pick "250 500 1000 2500 5000 10000" "100")}"
+read -r -a open_factors <<<"${BENCH_OPEN:-$(bench_pick "0.5 1 2 5 10 20" "0.5 2")}"
+read -r -a retry_points <<<"${BENCH_RETRY:-$(bench_pick "1000 5000" "100")}"
+read -r -a configs <<<"${BENCH_CONFIGS:-none reports capacity default}"
+open_cap=${BENCH_OPEN_MAX_CONNECTIONS:-$(bench_pick 10000 500)}
+calib_light=${BENCH_CAPACITY_LIGHT_CONNECTIONS:-$(bench_pick 50 10)}
+calib_conns=${BENCH_CAPACITY_CONNECTIONS:-$(bench_pick 500 50)}
+
+loadgen="$(bench_example_bin loadgen)"
+tributary="$(bench_gateway_bin tributary)"
+
+# Settings of each configuration (environment only: the admission code may change under it).
+config_env() {
+  case "$1" in
+    none) echo "TRIBUTARY_ADMISSION__ENABLED=false" ;;
+    reports) echo "TRIBUTARY_ADMISSION__MODE=static TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=2000 TRIBUTARY_ADMISSION__MAX_WAIT=100ms" ;;
+    capacity) echo "TRIBUTARY_ADMISSION__MODE=static TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=$capacity_limit" ;;
+    default) echo "" ;;
+    *) bench_log "unknown configuration $1 (none, reports, capacity, default)"; exit 2 ;;
+  esac
+}
+
+# Every connection is a file descriptor in the load generator and in the gateway, which also holds
+# up to one connection per downstream call in flight (5 bulkheads of 1,024): a point that would
+# not fit `ulimit -n` is skipped and recorded in stopped.jsonl (as in the sweep).
+nofile=$(ulimit -n)
+[[ "${BENCH_KEEP_RUNS:-0}" == 1 ]] || rm -f "$OUT_DIR/stopped.jsonl"
+fits() {
+  local conns="$1" need
+  need=$((conns + 5 * (conns < 1024 ? conns : 1024) + 500))
+  ((need <= nofile)) && return 0
+  bench_log "skipping $conns connections: the gateway would need ~$need file descriptors (limit $nofile)"
+  echo "{\"skipped_connections\": $conns, \"gateway_fds_needed\": $need, \"fd_limit\": $nofile}" >>"$OUT_DIR/stopped.jsonl"
+  return 1
+}
+
+# curve_point NAME OUT CONFIG SHAPE CONNECTIONS [RATE] : one measured run against a fresh gateway
+# (fresh, so that peak RSS and the breakers belong to this run); tried twice, then skipped.
+curve_point() {
+  local name="$1" out="$2" config="$3" shape="$4" conns="$5" rate="${6:-}" try sims
+  local -a settings extra=()
+  read -r -a settings <<<"$(config_env "$config")"
+  [[ -z "$rate" ]] || extra=(--rate "$rate")
+  fits "$conns" || return 0
+  for try in 1 2; do
+    if bench_start_gateway "${settings[@]}"; then
+      sims="$(IFS=,; echo "${SIM_PIDS[*]}")"
+      if bench_measure --out "$out" --scenario "$SCENARIO" --variant "$config" --x-name "$name" \
+        --x-value "${rate:-$conns}" --url "http://127.0.0.1:$GATEWAY_PORT/api/v1/dashboard/1" \
+        --wrk-env "WRK_PATH_TEMPLATE=/api/v1/dashboard/{id}" --wrk-env "WRK_ID_MAX=$BENCH_USERS" \
+        --loadgen "$loadgen" --shape "$shape" "${extra[@]}" --connections "$conns" \
+        --duration "$duration" --warmup "$warmup" --gauge-series \
+        --server-pid "$GATEWAY_PID" --server-name gateway --proc "downstream-sim=$sims" \
+        --proc-comm "postgres=postgres" --metrics-url "http://127.0.0.1:$GATEWAY_PORT/metrics" \
+        --limit-rps "${capacity_rps:-1}" --limit-basis "${capacity_basis:-calibration run}" \
+        --meta "gateway_env=${GATEWAY_ENV[*]}" --meta "config=$config" --meta "users=$BENCH_USERS"; then
+        bench_stop "$GATEWAY_PID"
+        return 0
+      fi
+    fi
+    bench_log "$config $shape $name=${rate:-$conns} failed (try $try; gateway alive: $(bench_alive "$GATEWAY_PID" && echo yes || echo no))"
+    bench_stop "$GATEWAY_PID"
+  done
+  echo "{\"config\": \"$config\", \"shape\": \"$shape\", \"connections\": $conns, \"rate\": \"$rate\", \"at\": \"$(date -u +%FT%TZ)\"}" >>"$OUT_DIR/failures.jsonl"
+  bench_log "skipping $config $shape $name=${rate:-$conns}"
+}
+
+json_field() { python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
+for k in sys.argv[2].split("."): d = d[k]
+print(d)' "$1" "$2"; }
+
+bench_db_prepare
+bench_start_sims 100ms
+
+# 1. Capacity, measured with the shipped defaults (BENCH_CAPACITY_RPS and
+#    BENCH_CAPACITY_LATENCY_MS skip it): the unloaded latency W0 at a light closed loop, and the
+#    full-200 throughput at a moderate one. They set the x axis and the `capacity` limit.
+mkdir -p "$OUT_DIR/calibration"
+capacity_rps=${BENCH_CAPACITY_RPS:-}
+w0_ms=${BENCH_CAPACITY_LATENCY_MS:-}
+if [[ -z "$w0_ms" ]]; then
+  curve_point connections "$OUT_DIR/calibration/light.json" default closed "$calib_light"
+  w0_ms="$(json_field "$OUT_DIR/calibration/light.json" latency_ms.mean)"
+fi
+if [[ -z "$capacity_rps" ]]; then
+  curve_point connections "$OUT_DIR/calibration/peak.json" default closed "$calib_conns"
+  capacity_rps="$(json_field "$OUT_DIR/calibration/peak.json" goodput.full_rps)"
+fi
+capacity_basis="full-200 req/s of the shipped defaults at $calib_conns closed-loop connections (calibration)"
+[[ -z "${BENCH_CAPACITY_RPS:-}" ]] || capacity_basis="BENCH_CAPACITY_RPS"
+"$tributary" capacity --target-rps "$capacity_rps" --latency-ms "$w0_ms" >"$OUT_DIR/calibration/capacity.txt"
+capacity_limit="$(tail -n 1 "$OUT_DIR/calibration/capacity.txt" | python3 -c 'import json, sys; print(json.load(sys.stdin)["admission_limit"])')"
+cat >"$OUT_DIR/calibration/capacity.json" <<EOF
+{"capacity_rps": $capacity_rps, "w0_ms": $w0_ms, "basis": "$capacity_basis",
+ "capacity_command": "tributary capacity --target-rps $capacity_rps --latency-ms $w0_ms",
+ "capacity_admission_limit": $capacity_limit}
+EOF
+bench_log "capacity $capacity_rps full-200 req/s, W0 $w0_ms ms; tributary capacity recommends max_in_flight = $capacity_limit"
+
+# 2. The curves, one configuration after the other.
+for config in "${configs[@]}"; do
+  for conns in "${closed_points[@]}"; do
+    curve_point connections "$OUT_DIR/runs/$config-closed-c$conns-r1.json" "$config" closed "$conns"
+  done
+  for factor in "${open_factors[@]}"; do
+    rate="$(python3 -c "import sys; print(round(float(sys.argv[1]) * float(sys.argv[2])))" "$factor" "$capacity_rps")"
+    curve_point rate "$OUT_DIR/runs/$config-open-x$factor-r1.json" "$config" open "$open_cap" "$rate"
+  done
+  for conns in "${retry_points[@]}"; do
+    curve_point connections "$OUT_DIR/runs/$config-retry-after-c$conns-r1.json" "$config" retry-after "$conns"
+  done
+done
+bench_stop_sims
+python3 "$BENCH_DIR/lib/curve.py" "$OUT_DIR" --about "$BENCH_DIR/scenarios/$SCENARIO.md" --command "$BENCH_COMMAND"
+if [[ -z "${BENCH_OUT:-}" ]]; then
+  python3 "$BENCH_DIR/lib/report.py" summary "$RESULTS_ROOT" >/dev/null
+fi
