@@ -182,7 +182,8 @@ def markdown(points, per_config, check_rows, runs, calib, about, command) -> str
     machine = first.get("machine") or {}
     dates = sorted(r["started_at"] for r in runs)
     disturbed = sum(1 for p in points if p["disturbed"])
-    out = ["# overload-curve: goodput against offered load (gateway on one core)", ""]
+    # The scenario's description brings its own heading.
+    out = [] if about.startswith("# ") else ["# overload-curve: goodput against offered load", ""]
     if about:
         out += [about.strip(), ""]
     out += [
