@@ -508,3 +508,23 @@ async fn main() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::is_degraded;
+
+    #[test]
+    fn a_dashboard_is_degraded_only_when_its_degraded_list_names_a_part() {
+        assert!(!is_degraded(br#"{"user_id":1,"cart":{},"degraded":[]}"#));
+        assert!(is_degraded(
+            br#"{"user_id":1,"cart":null,"degraded":["cart"]}"#
+        ));
+        // A body without the field (another endpoint) counts as full.
+        assert!(!is_degraded(br#"{"status":"ok"}"#));
+        // The dashboard's own field is its last one: a part's payload with a field of that
+        // name earlier in the body does not decide.
+        assert!(!is_degraded(
+            br#"{"profile":{"degraded":["x"]},"degraded":[]}"#
+        ));
+    }
+}
