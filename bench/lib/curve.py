@@ -241,6 +241,17 @@ def markdown(points, per_config, check_rows, runs, calib, about, command) -> str
     return "\n".join(out)
 
 
+def log_y_if_positive(ax) -> None:
+    """Log scale on y, when the axis has anything positive to show (matplotlib refuses otherwise)."""
+    import numpy as np
+
+    for line in ax.get_lines():
+        values = np.asarray(line.get_ydata(), dtype=float)
+        if np.any(values[np.isfinite(values)] > 0):
+            ax.set_yscale("log")
+            return
+
+
 def plot(points, per_config, calib, path: Path) -> None:
     plt = report.ensure_matplotlib()
     configs = [c for c in CONFIGS if any(p["config"] == c for p in points)]
@@ -271,13 +282,13 @@ def plot(points, per_config, calib, path: Path) -> None:
         axes[2][col].set_title("p99 of rejections, ms (solid client, dashed server)", fontsize=9)
         axes[3][col].set_title("admission limit (dashboard) during the heaviest point", fontsize=9)
         axes[3][col].set_xlabel("s into the measured window")
-        axes[3][col].set_yscale("log")
+        log_y_if_positive(axes[3][col])
         for row in range(3):
             ax = axes[row][col]
             ax.set_xscale("log")
             ax.set_xlabel("offered load ÷ capacity")
             if row:
-                ax.set_yscale("log")
+                log_y_if_positive(ax)
         axes[0][col].set_ylim(bottom=0)
     for ax in axes.flat:
         ax.grid(True, alpha=0.3, which="both")
