@@ -21,8 +21,10 @@
 //! Outcomes: a **full** 200 (the dashboard's `degraded` list is empty, or the body has no such
 //! field), a **degraded** 200 (`"degraded":[...]` names a part: see `src/fanout.rs`), 503, 429,
 //! other statuses, and socket errors by kind (connect, read, write, timeout after `--timeout`).
-//! Each outcome has its own HDR latency histogram. Requests still in flight when `--duration`
-//! ends are counted as `in_flight_at_end`, not as errors. A response with `Connection: close`
+//! Each outcome has its own HDR latency histogram. `--warmup` seconds of the same load come
+//! first, on the same connections, and are not counted; the line `LOADGEN_MEASURING` on stdout
+//! marks the start of the measured `--duration` (so a caller can take its own snapshots then).
+//! Requests still in flight when it ends are counted as `in_flight_at_end`, not as errors. A response with `Connection: close`
 //! (or a connection the server closed) makes the client reconnect; that is counted, not an error.
 //!
 //! The result is one JSON document, written to `--json PATH` (or `$LOADGEN_JSON`), and one
@@ -68,9 +70,12 @@ struct Args {
     /// Closed loop of N connections that waits Retry-After seconds after a 503 or 429.
     #[arg(long, group = "mode")]
     retry_after: Option<usize>,
-    /// Seconds of load.
+    /// Seconds of measured load.
     #[arg(long, default_value_t = 10.0)]
     duration: f64,
+    /// Seconds of the same load before the measured window, not counted.
+    #[arg(long, default_value_t = 0.0)]
+    warmup: f64,
     /// Request path; `{id}` is replaced by a uniform random id in 1..=--id-max.
     #[arg(long, default_value = "/")]
     path_template: String,
@@ -109,6 +114,10 @@ struct Stats {
     other: Histogram<u64>,
     status: BTreeMap<u16, u64>,
     errors: BTreeMap<&'static str, u64>,
+    /// False during the warm-up: nothing is counted then.
+    measuring: bool,
+    /// Requests sent and not yet answered (nor failed).
+    in_flight: u64,
     sent: u64,
     unsent: u64,
     reconnects: u64,
@@ -132,6 +141,8 @@ impl Stats {
             errors: ["connect", "read", "write", "timeout"]
                 .map(|k| (k, 0))
                 .into(),
+            measuring: false,
+            in_flight: 0,
             sent: 0,
             unsent: 0,
             reconnects: 0,
@@ -144,7 +155,18 @@ impl Stats {
         }
     }
 
+    fn send(&mut self) {
+        self.in_flight += 1;
+        self.sent += u64::from(self.measuring);
+    }
+
     fn record(&mut self, outcome: Outcome, latency: Duration) {
+        if outcome != Outcome::Connect {
+            self.in_flight = self.in_flight.saturating_sub(1);
+        }
+        if !self.measuring {
+            return;
+        }
         let us = u64::try_from(latency.as_micros())
             .unwrap_or(u64::MAX)
             .max(1);
@@ -313,7 +335,7 @@ async fn closed_loop(shared: Arc<Shared>, honour: bool) {
                 Err(_) => return,
             },
         };
-        shared.stats().sent += 1;
+        shared.stats().send();
         let Some(answer) = exchange(&shared, &mut conn).await else {
             return;
         };
@@ -328,6 +350,9 @@ async fn closed_loop(shared: Arc<Shared>, honour: bool) {
                 stats.reconnects += 1;
             }
             match answer.retry_after {
+                Some(seconds) if honour && !stats.measuring => {
+                    Some(Duration::from_secs(seconds.unwrap_or(1)))
+                }
                 Some(seconds) if honour => {
                     stats.retry_after_waits += 1;
                     stats.retry_after_missing += u64::from(seconds.is_none());
@@ -359,7 +384,7 @@ async fn open_request(shared: Arc<Shared>, at: Instant, sender: Option<SendReque
             Err(_) => return,
         },
     };
-    shared.stats().sent += 1;
+    shared.stats().send();
     let answer = exchange(&shared, &mut conn).await;
     let mut stats = shared.stats();
     match answer {
@@ -398,7 +423,7 @@ async fn open_loop(shared: Arc<Shared>, rate: f64, max_connections: usize) {
             if idle.is_none() {
                 let mut stats = shared.stats();
                 if stats.open >= max_connections {
-                    stats.unsent += 1;
+                    stats.unsent += u64::from(stats.measuring);
                     continue;
                 }
                 stats.opened();
@@ -439,17 +464,25 @@ async fn main() -> anyhow::Result<()> {
         _ => anyhow::bail!("give exactly one of --closed N, --rate R (> 0), --retry-after N"),
     };
     let started = Instant::now();
+    let measured_from = started + Duration::from_secs_f64(args.warmup);
     let shared = Arc::new(Shared {
         addr,
         host: authority.to_string(),
         template: args.path_template.clone(),
         id_max: args.id_max,
         timeout: Duration::from_secs_f64(args.timeout),
-        deadline: started + Duration::from_secs_f64(args.duration),
+        deadline: measured_from + Duration::from_secs_f64(args.duration),
         stats: Mutex::new(Stats::new()),
         idle: Mutex::new(Vec::new()),
     });
     let mut tasks = tokio::task::JoinSet::new();
+    let marker = Arc::clone(&shared);
+    tokio::spawn(async move {
+        tokio::time::sleep_until(measured_from).await;
+        marker.stats().measuring = true;
+        // stdout is line-buffered: the caller sees this line now.
+        println!("LOADGEN_MEASURING");
+    });
     match mode {
         "open" => {
             tasks.spawn(open_loop(Arc::clone(&shared), load, args.max_connections));
@@ -463,7 +496,7 @@ async fn main() -> anyhow::Result<()> {
     while tasks.join_next().await.is_some() {}
     // Open-loop requests still in flight: give them until the deadline (they already have it).
     tokio::time::sleep_until(shared.deadline).await;
-    let elapsed = started.elapsed().as_secs_f64();
+    let elapsed = measured_from.elapsed().as_secs_f64();
     let s = shared.stats();
     let answered: u64 = s.status.values().sum();
     let errors: u64 = s.errors.values().sum();
@@ -478,8 +511,8 @@ async fn main() -> anyhow::Result<()> {
         "sent": s.sent,
         "unsent_late": s.unsent,
         "answered": answered,
-        // Connect errors happen before a request is sent; the other errors end a sent one.
-        "in_flight_at_end": s.sent.saturating_sub(answered + errors - s.errors["connect"]),
+        "warmup_s": args.warmup,
+        "in_flight_at_end": s.in_flight,
         "outcomes": {
             "full": full, "degraded": s.degraded.len(),
             "503": s.status.get(&503).copied().unwrap_or(0), "429": s.status.get(&429).copied().unwrap_or(0),

@@ -20,7 +20,8 @@ With ``--loadgen BIN`` the load comes from ``examples/loadgen.rs`` instead of wr
 overload-curve scenario): ``--shape closed|open|retry-after`` (``--rate`` for open; open loop
 uses ``--connections`` as its connection cap). Its JSON is folded in under ``loadgen`` and
 ``goodput`` (full, non-degraded 200s), and ``latency_ms`` is then the latency of the full 200s;
-``--gauge-series`` also keeps the once-a-second gauge samples (admission limit, shedding,
+The loadgen warms up in-process (same connections) and the snapshots start when it prints
+``LOADGEN_MEASURING``. ``--gauge-series`` also keeps the once-a-second gauge samples (admission limit, shedding,
 circuit states) as a time series.
 
 An optional probe (``--probe-url``) runs a second, small wrk at the same time against a light
@@ -177,7 +178,7 @@ class Loadgen:
     """examples/loadgen pinned to the load-generator core; same interface as Wrk."""
 
     def __init__(self, binary: str, url: str, shape: str, connections: int, rate: float | None,
-                 duration: float, timeout: str, cpus: str | None, env: dict[str, str]):
+                 duration: float, warmup: float, timeout: str, cpus: str | None, env: dict[str, str]):
         self.json = tempfile.NamedTemporaryFile(prefix="loadgen-", suffix=".json", delete=False,
                                                 dir=os.environ.get("BENCH_LOG_DIR") or None)
         self.json.close()
@@ -188,22 +189,34 @@ class Loadgen:
             load = [f"--{shape}", str(connections)]
         self.command = [
             binary, "--target", f"{parts.scheme}://{parts.netloc}", *load, "--duration", f"{duration:g}",
+            "--warmup", f"{warmup:g}",
             "--timeout", str(float(timeout.rstrip("s"))), "--json", self.json.name,
             "--path-template", env.get("WRK_PATH_TEMPLATE", parts.path or "/"),
             "--id-max", env.get("WRK_ID_MAX", "1"),
         ]
         if cpus:
             self.command = ["taskset", "-c", cpus, *self.command]
-        self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.rusage = None
+        self.output: list[str] = []
+        self.cpu_at_start = 0.0
+
+    def wait_measuring(self) -> None:
+        """Block until the warm-up is over (the loadgen prints LOADGEN_MEASURING): the caller's
+        snapshots then cover the measured window only, on connections the warm-up opened."""
+        for line in self.process.stdout:
+            if line.strip() == "LOADGEN_MEASURING":
+                self.cpu_at_start = proc_cpu_seconds(self.process.pid) or 0.0
+                return
+            self.output.append(line)
+        self.wait()  # it ended without measuring: wait() reports why
 
     def wait(self) -> dict:
+        self.output += self.process.stdout.readlines()
         _, status, rusage = os.wait4(self.process.pid, 0)
         self.process.returncode = os.waitstatus_to_exitcode(status)
         self.rusage = rusage
-        self.log.seek(0)
-        text = self.log.read().decode(errors="replace")
+        text = "".join(self.output)
         try:
             raw = json.loads(Path(self.json.name).read_text())
         except (OSError, ValueError):
@@ -214,7 +227,8 @@ class Loadgen:
 
     @property
     def cpu_seconds(self) -> float:
-        return self.rusage.ru_utime + self.rusage.ru_stime
+        """CPU of the measured window (the warm-up's is subtracted)."""
+        return self.rusage.ru_utime + self.rusage.ru_stime - self.cpu_at_start
 
 
 def summarise_loadgen(raw: dict) -> dict:
@@ -402,15 +416,14 @@ def wait_quiet(threshold: float, max_wait: float) -> tuple[float, float]:
 def measure_once(args) -> tuple[dict, str]:
     wrk_env = parse_kv(args.wrk_env)
     cpus = args.loadgen_cpus or None
-
-    def load(duration: float):
-        if args.loadgen:
-            return Loadgen(args.loadgen, args.url, args.shape, args.connections, args.rate, duration,
-                           args.timeout, cpus, wrk_env)
-        return Wrk(args.url, args.connections, duration, args.threads, args.timeout, cpus, wrk_env)
-
-    if args.warmup > 0:
-        load(args.warmup).wait()
+    loadgen = None
+    if args.loadgen:
+        # The loadgen warms up in-process, on the connections it then measures with.
+        loadgen = Loadgen(args.loadgen, args.url, args.shape, args.connections, args.rate, args.duration,
+                          args.warmup, args.timeout, cpus, wrk_env)
+        loadgen.wait_measuring()
+    elif args.warmup > 0:
+        Wrk(args.url, args.connections, args.warmup, args.threads, args.timeout, cpus, wrk_env).wait()
 
     procs = {args.server_name: [args.server_pid],
              **{k: [int(p) for p in v.split(",") if p] for k, v in parse_kv(args.proc).items()}}
@@ -425,7 +438,7 @@ def measure_once(args) -> tuple[dict, str]:
     started = dt.datetime.now(dt.timezone.utc)
     t0 = time.monotonic()
 
-    main_wrk = load(args.duration)
+    main_wrk = loadgen or Wrk(args.url, args.connections, args.duration, args.threads, args.timeout, cpus, wrk_env)
     probe = None
     if args.probe_url:
         probe = Wrk(args.probe_url, args.probe_connections, args.duration, 1, args.timeout, cpus,
