@@ -5,7 +5,10 @@
 //! takes the shutdown signal as an argument and owns the connection loop: hyper's HTTP/1
 //! limits (header count, head size, header read timeout) are only reachable there, and so is
 //! an accurate connection cap that answers "503, full" instead of letting the kernel queue
-//! connections unseen.
+//! connections unseen. hyper has no write timeout; [`write_timeout`] adds one around each
+//! connection's I/O.
+
+mod write_timeout;
 
 use std::{
     future::Future,
@@ -30,6 +33,7 @@ use tokio::{
 };
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tower::ServiceExt;
+use write_timeout::WriteTimeout;
 
 use crate::{
     admission::Admission,
@@ -164,6 +168,10 @@ impl Application {
             .http1()
             .timer(TokioTimer::new())
             .header_read_timeout(server.header_read_timeout)
+            // A client may shut down its sending side once its request is out (`nc -N`,
+            // `socat`): that end of file is not the end of the connection, and the response
+            // is still owed.
+            .half_close(true)
             // Hard bounds at twice the configured limits: up to them the request layer answers
             // 431 with a problem document; beyond them hyper refuses with its own bare 431.
             .max_headers(server.max_headers.get().saturating_mul(2))
@@ -213,6 +221,7 @@ impl Application {
             let builder = builder.clone();
             let watcher = graceful.watcher();
             let first_byte_timeout = server.header_read_timeout;
+            let write_timeout = server.write_timeout;
             tokio::spawn(async move {
                 // hyper's header read timeout only starts once the auto builder has seen
                 // enough bytes to pick HTTP/1 or HTTP/2: a client that connects and sends
@@ -224,7 +233,7 @@ impl Application {
                 }
                 let conn = builder
                     .serve_connection_with_upgrades(
-                        TokioIo::new(io),
+                        TokioIo::new(WriteTimeout::new(io, write_timeout)),
                         TowerToHyperService::new(service),
                     )
                     .into_owned();

@@ -73,8 +73,12 @@ pub struct ServerSettings {
     /// How long in-flight requests may run after SIGTERM before the process exits anyway.
     #[serde(with = "humantime_serde")]
     pub drain_timeout: Duration,
-    /// Largest accepted request body.
+    /// Largest accepted request body; a larger declared `Content-Length` is refused at once.
     pub max_body_bytes: NonZeroUsize,
+    /// A response write that makes no progress for this long (the client stopped reading)
+    /// closes the connection, and with it the response it pinned in memory.
+    #[serde(with = "types::positive_duration")]
+    pub write_timeout: Duration,
     /// A connection must deliver a complete request head within this time of starting to wait
     /// for one. It is the slowloris guard and, because hyper starts the same timer whenever a
     /// kept-alive connection waits for its next request, also the idle keep-alive timeout.
@@ -101,6 +105,7 @@ impl Default for ServerSettings {
             request_deadline: Duration::from_secs(1),
             drain_timeout: Duration::from_secs(20),
             max_body_bytes: nonzero(64 * 1024),
+            write_timeout: Duration::from_secs(10),
             header_read_timeout: Duration::from_secs(10),
             max_headers: nonzero(64),
             max_header_bytes: nonzero(16 * 1024),

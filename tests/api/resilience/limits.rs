@@ -1,14 +1,16 @@
-//! Input and connection limits: header limits (431), slowloris, the connection cap (503).
+//! Input and connection limits: header limits (431), slowloris, clients that stop reading,
+//! half-closed connections, the connection cap (503).
 
 use std::time::Duration;
 
+use axum::{Router, routing::get};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpStream,
+    net::{TcpSocket, TcpStream},
 };
 
 use super::serial;
-use crate::helpers::{TestApp, eventually, nz, problem, spawn_app_with};
+use crate::helpers::{TestApp, eventually, nz, problem, spawn_app_full, spawn_app_with};
 
 /// Writes `request` on a fresh connection and reads until the server closes it (or 5 s pass).
 /// Returns what was read and whether the connection was closed.
@@ -154,5 +156,69 @@ async fn connections_beyond_max_connections_get_a_503_problem() {
         })
         .await,
         "closed connections did not free their slots"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_disconnected_after_the_write_timeout() {
+    let _serial = serial().await;
+    const LARGE: usize = 32 * 1024 * 1024;
+    // One connection at a time: the slot the stuck client holds is how the test sees it go.
+    let app = spawn_app_full(
+        |s| {
+            s.server.max_connections = nz(1);
+            s.server.write_timeout = Duration::from_millis(300);
+        },
+        Router::new().route("/large", get(|| async { vec![b'x'; LARGE] })),
+        Default::default(),
+    )
+    .await;
+
+    // A small receive window, so the gateway's writes stall long before the response is out.
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stuck = socket.connect(app.addr).await.unwrap();
+    stuck
+        .write_all(b"GET /large HTTP/1.1\r\nhost: gateway\r\n\r\n")
+        .await
+        .unwrap();
+
+    // While the stuck client holds the only slot, another client is refused; once the gateway
+    // has given up on it, the slot is free again.
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            reqwest::Client::new()
+                .get(app.url("/healthz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        })
+        .await,
+        "a client that reads nothing kept its connection"
+    );
+    let mut received = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stuck.read_to_end(&mut received)).await;
+    assert!(
+        received.len() < LARGE,
+        "the whole response was delivered to a client that was not reading"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_half_closes_after_its_request_still_gets_the_response() {
+    let _serial = serial().await;
+    let app = spawn_app_with(|_| {}).await;
+
+    let mut stream = TcpStream::connect(app.addr).await.unwrap();
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nhost: gateway\r\n\r\n")
+        .await
+        .unwrap();
+    stream.shutdown().await.unwrap();
+    let (response, closed) = read_until_closed(&mut stream).await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response:?}");
+    assert!(
+        closed,
+        "the half-closed connection was not closed after its response"
     );
 }
