@@ -35,6 +35,10 @@ pub(crate) enum ApiError {
     /// 409: an idempotency key was reused with a different request body.
     #[error("idempotency key reused with a different request")]
     IdempotencyConflict,
+    /// 408: the request body did not arrive within `server.body_read_timeout` (or the
+    /// request's deadline, when that comes first).
+    #[error("request body not received in time")]
+    RequestTimeout { within: Duration },
     /// 413: the request body is larger than `server.max_body_bytes`.
     #[error("request body too large")]
     PayloadTooLarge { limit: usize },
@@ -111,6 +115,7 @@ impl ApiError {
             ApiError::NotFound => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::IdempotencyConflict => StatusCode::CONFLICT,
+            ApiError::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::HeaderFieldsTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -136,6 +141,14 @@ impl ApiError {
                 "idempotency-conflict",
                 Some("this Idempotency-Key was already used with a different request body".into()),
                 Some("Idempotency-Key".into()),
+            ),
+            ApiError::RequestTimeout { within } => (
+                "request-timeout",
+                Some(format!(
+                    "the request body was not complete within {} ms",
+                    within.as_millis()
+                )),
+                None,
             ),
             ApiError::PayloadTooLarge { limit } => (
                 "payload-too-large",
@@ -185,6 +198,15 @@ impl ApiError {
             field,
             request_id: crate::context::current().map(|c| c.request_id.to_string()),
         }
+    }
+
+    /// Answers given while the request body may still be arriving: the connection is closed
+    /// after them, so the rest of that body is never read.
+    fn closes_connection(&self) -> bool {
+        matches!(
+            self,
+            ApiError::RequestTimeout { .. } | ApiError::PayloadTooLarge { .. }
+        )
     }
 
     fn retry_after(&self) -> Option<Duration> {
@@ -237,6 +259,9 @@ impl IntoResponse for ApiError {
             // Retry-After is whole seconds; never advertise 0, which invites an instant retry storm.
             let secs = after.as_secs_f64().ceil().max(1.0) as u64;
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if self.closes_connection() {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         // For the request layer, which logs it.
         response.extensions_mut().insert(Arc::new(self));

@@ -75,6 +75,12 @@ pub struct ServerSettings {
     pub drain_timeout: Duration,
     /// Largest accepted request body; a larger declared `Content-Length` is refused at once.
     pub max_body_bytes: NonZeroUsize,
+    /// A request body must be complete within this time of the handler starting to read it
+    /// (and within the request's deadline); otherwise 408 and the connection is closed. The
+    /// slow-body ("R.U.D.Y.") guard: without it a client sending a byte now and then holds its
+    /// admission permit for as long as it likes.
+    #[serde(with = "types::positive_duration")]
+    pub body_read_timeout: Duration,
     /// A response write that makes no progress for this long (the client stopped reading)
     /// closes the connection, and with it the response it pinned in memory.
     #[serde(with = "types::positive_duration")]
@@ -105,6 +111,7 @@ impl Default for ServerSettings {
             request_deadline: Duration::from_secs(1),
             drain_timeout: Duration::from_secs(20),
             max_body_bytes: nonzero(64 * 1024),
+            body_read_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(10),
             header_read_timeout: Duration::from_secs(10),
             max_headers: nonzero(64),

@@ -11,7 +11,7 @@ use sha2::{Digest, Sha256};
 
 use super::{
     AppState,
-    extract::{JsonBody, PositiveId},
+    extract::{JsonBody, Object, PositiveId},
 };
 use crate::{
     db::orders::{CreateOutcome, NewItem, NewOrder},
@@ -21,96 +21,111 @@ use crate::{
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
 const MAX_ITEMS: usize = 100;
 
-/// The request body as sent; validated into a [`NewOrder`].
+/// The request body as sent; validated into a [`NewOrder`]. Every field is required; they are
+/// `Option`s so that a missing one is reported by [`validate`] under its own name (serde would
+/// name the object that lacks it).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct CreateOrder {
-    pub user_id: i64,
-    pub items: Vec<CreateItem>,
+    pub user_id: Option<i64>,
+    pub items: Option<Vec<Object<CreateItem>>>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct CreateItem {
-    pub sku: String,
-    pub quantity: i32,
-    pub unit_price_cents: i64,
+    pub sku: Option<String>,
+    pub quantity: Option<i32>,
+    pub unit_price_cents: Option<i64>,
+}
+
+/// A required field's value, or a 400 that names it.
+fn required<T>(value: Option<T>, field: impl FnOnce() -> String) -> Result<T, ApiError> {
+    value.ok_or_else(|| ApiError::validation(field(), "is required"))
 }
 
 /// Checks every field and computes the total; the error names the first bad field.
 pub(super) fn validate(req: CreateOrder) -> Result<(NewOrder, i64), ApiError> {
-    if req.user_id <= 0 {
+    let user_id = required(req.user_id, || "user_id".into())?;
+    let req_items = required(req.items, || "items".into())?;
+    if user_id <= 0 {
         return Err(ApiError::validation(
             "user_id",
             "must be a positive integer",
         ));
     }
-    if req.items.is_empty() {
+    if req_items.is_empty() {
         return Err(ApiError::validation(
             "items",
             "must contain at least one item",
         ));
     }
-    if req.items.len() > MAX_ITEMS {
+    if req_items.len() > MAX_ITEMS {
         return Err(ApiError::validation(
             "items",
             format!("must contain at most {MAX_ITEMS} items"),
         ));
     }
     let mut total: i64 = 0;
-    let mut items = Vec::with_capacity(req.items.len());
-    for (i, item) in req.items.into_iter().enumerate() {
-        let sku = item.sku.trim();
+    let mut items = Vec::with_capacity(req_items.len());
+    for (i, Object(item)) in req_items.into_iter().enumerate() {
+        let field = |name: &str| format!("items[{i}].{name}");
+        let sku = required(item.sku, || field("sku"))?;
+        let quantity = required(item.quantity, || field("quantity"))?;
+        let unit_price_cents = required(item.unit_price_cents, || field("unit_price_cents"))?;
+        let sku = sku.trim();
         if sku.is_empty() || sku.len() > 64 || !sku.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(ApiError::validation(
-                format!("items[{i}].sku"),
+                field("sku"),
                 "must be 1 to 64 printable ASCII characters",
             ));
         }
-        if !(1..=10_000).contains(&item.quantity) {
+        if !(1..=10_000).contains(&quantity) {
             return Err(ApiError::validation(
-                format!("items[{i}].quantity"),
+                field("quantity"),
                 "must be between 1 and 10000",
             ));
         }
-        if item.unit_price_cents < 0 {
+        if unit_price_cents < 0 {
             return Err(ApiError::validation(
-                format!("items[{i}].unit_price_cents"),
+                field("unit_price_cents"),
                 "must not be negative",
             ));
         }
-        total = i64::from(item.quantity)
-            .checked_mul(item.unit_price_cents)
+        total = i64::from(quantity)
+            .checked_mul(unit_price_cents)
             .and_then(|line| total.checked_add(line))
             .ok_or_else(|| {
-                ApiError::validation(
-                    format!("items[{i}].unit_price_cents"),
-                    "order total overflows",
-                )
+                ApiError::validation(field("unit_price_cents"), "order total overflows")
             })?;
         items.push(NewItem {
             sku: sku.to_owned(),
-            quantity: item.quantity,
-            unit_price_cents: item.unit_price_cents,
+            quantity,
+            unit_price_cents,
         });
     }
-    Ok((
-        NewOrder {
-            user_id: req.user_id,
-            items,
-        },
-        total,
-    ))
+    Ok((NewOrder { user_id, items }, total))
 }
 
+/// The `Idempotency-Key`, exactly once. Whitespace around a header value is HTTP's optional
+/// whitespace, not part of the value (RFC 9110, section 5.5): the HTTP layer strips it before
+/// the key is read, so `Idempotency-Key:  k1 ` is the key `k1`. Whitespace inside is refused.
 fn idempotency_key(headers: &HeaderMap) -> Result<String, ApiError> {
-    let value = headers
-        .get(IDEMPOTENCY_KEY)
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let value = values
+        .next()
         .ok_or_else(|| ApiError::validation("Idempotency-Key", "header is required"))?;
+    if values.next().is_some() {
+        // Which of two keys names the order is a guess either way; a wrong guess creates a
+        // duplicate order or replays someone else's answer.
+        return Err(ApiError::validation(
+            "Idempotency-Key",
+            "header must be sent exactly once",
+        ));
+    }
     let key = value
         .to_str()
         .ok()
-        .map(str::trim)
         .filter(|k| (1..=255).contains(&k.len()) && k.bytes().all(|b| b.is_ascii_graphic()))
         .ok_or_else(|| {
             ApiError::validation(

@@ -143,8 +143,12 @@ async fn invalid_orders_are_400_problems_that_name_the_field() {
 async fn oversized_bodies_are_413_and_unknown_orders_404() {
     let app = spawn_app().await;
     let huge = json!({"user_id": 1, "items": [{"sku": "A".repeat(100_000), "quantity": 1, "unit_price_cents": 1}]});
-    let (status, _) = problem(app.post_order(Some("k-huge"), &huge).await).await;
+    let (status, body) = problem(app.post_order(Some("k-huge"), &huge).await).await;
     assert_eq!(status, 413);
+    assert_eq!(
+        body["detail"], "the request body must not exceed 65536 bytes",
+        "the detail states the configured limit"
+    );
     let (status, _) = problem(app.get("/api/v1/orders/123456").await).await;
     assert_eq!(status, 404);
     let (status, body) = problem(app.get("/api/v1/orders/nope").await).await;
@@ -172,4 +176,113 @@ async fn an_order_whose_statement_outlives_the_deadline_is_a_504_not_a_500() {
         app.post_order(Some("k-slow"), &order(5)).await.status(),
         201
     );
+}
+
+/// Posts `body` as raw bytes with a JSON content type.
+async fn post_raw(app: &TestApp, key: &str, content_type: &str, body: &str) -> reqwest::Response {
+    app.client
+        .post(app.url("/api/v1/orders"))
+        .header("idempotency-key", key)
+        .header("content-type", content_type)
+        .body(body.to_owned())
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn order_bodies_are_one_json_object_and_errors_say_where() {
+    let app = spawn_app().await;
+    let valid = order(3).to_string();
+    let cases = [
+        // Valid JSON followed by garbage is not one document.
+        (
+            format!("{valid} garbage"),
+            "body",
+            Some(format!(
+                "body: body is not valid JSON at line 1 column {}",
+                valid.len() + 2
+            )),
+        ),
+        (format!("{valid}{valid}"), "body", None),
+        // An array of the fields in order is not an order, at the top or inside.
+        (r#"[1,[["a",1,1]]]"#.to_owned(), "body", None),
+        (
+            r#"{"user_id":1,"items":[["a",1,1]]}"#.to_owned(),
+            "items[0]",
+            None,
+        ),
+        // A missing field is named.
+        (
+            json!({"items": order(3)["items"]}).to_string(),
+            "user_id",
+            Some("user_id: is required".into()),
+        ),
+        (json!({"user_id": 3}).to_string(), "items", None),
+        (
+            json!({"user_id": 3, "items": [{"sku": "A", "quantity": 1}]}).to_string(),
+            "items[0].unit_price_cents",
+            None,
+        ),
+        // Truncated JSON says where it ends.
+        (
+            "{\"user_id\": 3,\n \"items\": [".to_owned(),
+            "body",
+            Some("body: body is not valid JSON at line 2 column 11".into()),
+        ),
+    ];
+    for (body, field, detail) in cases {
+        let (status, problem) =
+            problem(post_raw(&app, "k-strict", "application/json", &body).await).await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(problem["field"], field, "{body}: {problem}");
+        if let Some(detail) = detail {
+            assert_eq!(problem["detail"], detail.as_str(), "{body}");
+        }
+    }
+    assert_eq!(orders_of(&app, 3).await, 0);
+    assert_eq!(orders_of(&app, 1).await, 0);
+}
+
+#[tokio::test]
+async fn content_types_must_be_json_and_the_suffix_is_case_insensitive() {
+    let app = spawn_app().await;
+    let body = order(4).to_string();
+    for bad in ["+json", "text/plain", "application/+json"] {
+        let (status, problem) = problem(post_raw(&app, "k-ct", bad, &body).await).await;
+        assert_eq!(status, 415, "{bad}: {problem}");
+    }
+    let resp = post_raw(
+        &app,
+        "k-ct",
+        "Application/Vnd.Order+JSON; charset=utf-8",
+        &body,
+    )
+    .await;
+    assert_eq!(resp.status(), 201);
+    assert_eq!(orders_of(&app, 4).await, 1);
+}
+
+#[tokio::test]
+async fn two_idempotency_keys_are_refused() {
+    let app = spawn_app().await;
+    let resp = app
+        .client
+        .post(app.url("/api/v1/orders"))
+        .header("idempotency-key", "k-one")
+        .header("idempotency-key", "k-two")
+        .json(&order(6))
+        .send()
+        .await
+        .unwrap();
+    let (status, problem) = problem(resp).await;
+    assert_eq!(
+        (status, problem["field"].as_str()),
+        (400, Some("Idempotency-Key"))
+    );
+    assert!(
+        problem["detail"].as_str().unwrap().contains("exactly once"),
+        "{problem}"
+    );
+    assert_eq!(orders_of(&app, 6).await, 0);
 }

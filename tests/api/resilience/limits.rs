@@ -1,13 +1,15 @@
-//! Input and connection limits: header limits (431), slowloris, clients that stop reading,
-//! half-closed connections, the connection cap (503).
+//! Input and connection limits: header limits (431), slowloris, slow and oversized bodies
+//! (408, 413), clients that stop reading, half-closed connections, the connection cap (503).
 
 use std::time::Duration;
 
 use axum::{Router, routing::get};
+use serde_json::Value;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpSocket, TcpStream},
 };
+use tributary::config::RouteGroup;
 
 use super::serial;
 use crate::helpers::{TestApp, eventually, nz, problem, spawn_app_full, spawn_app_with};
@@ -19,6 +21,24 @@ async fn raw_exchange(app: &TestApp, request: &[u8]) -> (String, bool) {
     // The server may stop reading (and close) before the whole request is written.
     let _ = stream.write_all(request).await;
     read_until_closed(&mut stream).await
+}
+
+/// The JSON body of a raw HTTP/1.1 response (everything after the head).
+fn body_of(response: &str) -> Value {
+    let (_, body) = response
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no response head in {response:?}"));
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {response:?}"))
+}
+
+/// Permits of the orders group in use.
+fn orders_in_flight(app: &TestApp) -> usize {
+    app.state
+        .admission
+        .as_ref()
+        .expect("admission is on")
+        .limiter(RouteGroup::Orders)
+        .in_flight()
 }
 
 async fn read_until_closed(stream: &mut TcpStream) -> (String, bool) {
@@ -156,6 +176,119 @@ async fn connections_beyond_max_connections_get_a_503_problem() {
         })
         .await,
         "closed connections did not free their slots"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_sent_a_byte_at_a_time_is_a_408_and_lets_its_permit_go() {
+    let _serial = serial().await;
+    // A deadline far away: the body bound alone has to end the request.
+    let app = spawn_app_with(|s| {
+        s.server.request_deadline = Duration::from_secs(60);
+        s.server.body_read_timeout = Duration::from_millis(500);
+    })
+    .await;
+
+    let stream = TcpStream::connect(app.addr).await.unwrap();
+    let (mut reader, mut writer) = stream.into_split();
+    writer
+        .write_all(
+            b"POST /api/v1/orders HTTP/1.1\r\nhost: gateway\r\nidempotency-key: k-slow\r\n\
+              content-type: application/json\r\ncontent-length: 1000\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+    // One byte every 100 ms: never idle, never done.
+    let drip = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if writer.write_all(b" ").await.is_err() {
+                return;
+            }
+        }
+    });
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            orders_in_flight(&app) == 1
+        })
+        .await,
+        "the slow order never took its admission permit"
+    );
+
+    let mut response = Vec::new();
+    let read =
+        tokio::time::timeout(Duration::from_secs(10), reader.read_to_end(&mut response)).await;
+    drip.abort();
+    let response = String::from_utf8_lossy(&response).into_owned();
+    assert!(
+        read.is_ok(),
+        "no answer to a slow body within 10 s: {response:?}"
+    );
+    assert!(response.starts_with("HTTP/1.1 408"), "{response:?}");
+    assert!(
+        response.contains("application/problem+json"),
+        "{response:?}"
+    );
+    assert_eq!(body_of(&response)["type"], "/problems/request-timeout");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            orders_in_flight(&app) == 0
+        })
+        .await,
+        "the slow body kept its admission permit"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declared_body_over_the_limit_is_a_413_before_it_is_sent() {
+    let _serial = serial().await;
+    let app = spawn_app_with(|s| {
+        s.server.request_deadline = Duration::from_secs(60);
+        s.server.body_read_timeout = Duration::from_secs(60);
+        s.server.max_body_bytes = nz(1000);
+    })
+    .await;
+
+    // 2^63 bytes announced, one sent: the answer must not wait for the rest.
+    let mut stream = TcpStream::connect(app.addr).await.unwrap();
+    stream
+        .write_all(
+            b"POST /api/v1/orders HTTP/1.1\r\nhost: gateway\r\nidempotency-key: k-huge\r\n\
+              content-type: application/json\r\ncontent-length: 9223372036854775808\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+    let (response, closed) = read_until_closed(&mut stream).await;
+    assert!(response.starts_with("HTTP/1.1 413"), "{response:?}");
+    assert!(
+        closed,
+        "the connection stayed open for the rest of the body"
+    );
+    let body = body_of(&response);
+    assert_eq!(body["type"], "/problems/payload-too-large");
+    assert_eq!(
+        body["detail"], "the request body must not exceed 1000 bytes",
+        "the detail states the configured limit"
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            orders_in_flight(&app) == 0
+        })
+        .await,
+        "the refused order kept its admission permit"
+    );
+
+    // Without a declared length (chunked), the limit cuts the body off as it grows.
+    let chunk = format!("{:x}\r\n{}\r\n", 1500, "x".repeat(1500));
+    let request = format!(
+        "POST /api/v1/orders HTTP/1.1\r\nhost: gateway\r\nidempotency-key: k-chunked\r\n\
+         content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n{chunk}0\r\n\r\n"
+    );
+    let (response, _) = raw_exchange(&app, request.as_bytes()).await;
+    assert!(response.starts_with("HTTP/1.1 413"), "{response:?}");
+    assert_eq!(
+        body_of(&response)["detail"],
+        "the request body must not exceed 1000 bytes"
     );
 }
 
