@@ -45,7 +45,8 @@ pub struct TraceIds {
     pub trace_id: String,
     pub span_id: String,
     pub sampled: bool,
-    /// The caller's `tracestate`, forwarded unchanged (vendor data we do not interpret).
+    /// The caller's `tracestate`, forwarded (vendor data we do not interpret), at most 32
+    /// list members and 512 characters (`telemetry::bounded_tracestate`).
     pub tracestate: Option<String>,
 }
 

@@ -32,17 +32,23 @@ pub(crate) struct TraceParent {
 }
 
 /// Parses `traceparent` (version 00), rejecting malformed or all-zero ids as the spec requires.
+/// Every field is lowercase hex of its exact length: `u8::from_str_radix` alone would also take
+/// flags such as `+1` or `1`.
 pub(crate) fn parse_traceparent(headers: &HeaderMap) -> Option<TraceParent> {
     let v = headers.get("traceparent")?.to_str().ok()?;
     let mut parts = v.trim().split('-');
     let (version, trace_id, parent_id, flags) =
         (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
     let hex = |s: &str, n: usize| {
-        s.len() == n
-            && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-            && s.bytes().any(|b| b != b'0')
+        s.len() == n && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
     };
-    if version != "00" || parts.next().is_some() || !hex(trace_id, 32) || !hex(parent_id, 16) {
+    let id = |s: &str, n: usize| hex(s, n) && s.bytes().any(|b| b != b'0');
+    if version != "00"
+        || parts.next().is_some()
+        || !id(trace_id, 32)
+        || !id(parent_id, 16)
+        || !hex(flags, 2)
+    {
         return None;
     }
     let flags = u8::from_str_radix(flags, 16).ok()?;
@@ -51,6 +57,27 @@ pub(crate) fn parse_traceparent(headers: &HeaderMap) -> Option<TraceParent> {
         parent_id: parent_id.to_owned(),
         sampled: flags & 1 == 1,
     })
+}
+
+/// At most this many list members of a caller's `tracestate` are passed on: the W3C limit.
+const TRACESTATE_MAX_MEMBERS: usize = 32;
+
+/// A `tracestate` longer than this, once capped at [`TRACESTATE_MAX_MEMBERS`], is not passed
+/// on at all: the W3C asks every hop to propagate at least 512 characters, so a longer one is
+/// more than any vendor relies on, and it would be copied into every downstream call.
+const TRACESTATE_MAX_LEN: usize = 512;
+
+/// The caller's `tracestate` as it is passed on: its first 32 list members (empty ones
+/// dropped, separators normalised), or nothing when that is empty or over 512 characters.
+pub(crate) fn bounded_tracestate(raw: &str) -> Option<String> {
+    let members: Vec<&str> = raw
+        .split(',')
+        .map(str::trim)
+        .filter(|member| !member.is_empty())
+        .take(TRACESTATE_MAX_MEMBERS)
+        .collect();
+    let joined = members.join(",");
+    (!joined.is_empty() && joined.len() <= TRACESTATE_MAX_LEN).then_some(joined)
 }
 
 fn random_hex(bytes: usize) -> String {
@@ -87,13 +114,14 @@ pub(crate) fn attach_trace(span: &tracing::Span, headers: &HeaderMap) -> Option<
 }
 
 /// Trace ids for a request when spans are not exported: the caller's trace id (or a new one),
-/// a new span id for this hop, and the caller's `tracestate` passed on. They go into logs and
+/// a new span id for this hop, and the caller's `tracestate` passed on (bounded by
+/// [`bounded_tracestate`]). They go into logs and
 /// into the `traceparent` of every downstream call, so traces still join up across services.
 pub(crate) fn local_trace_ids(incoming: Option<&TraceParent>, headers: &HeaderMap) -> TraceIds {
     let tracestate = incoming
         .and(headers.get("tracestate"))
         .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
+        .and_then(bounded_tracestate);
     TraceIds {
         trace_id: incoming.map_or_else(|| random_hex(16), |t| t.trace_id.clone()),
         span_id: random_hex(8),
@@ -180,10 +208,13 @@ pub(super) mod otel {
         }
     }
 
-    /// Parents `span` on the incoming W3C context and reads back its ids.
+    /// Parents `span` on the incoming W3C context, when the caller's `traceparent` passes the
+    /// gateway's own (stricter) parser, and reads back its ids.
     pub(super) fn attach(span: &tracing::Span, headers: &HeaderMap) -> Option<TraceIds> {
-        let parent = TraceContextPropagator::new().extract(&Headers(headers));
-        let _ = span.set_parent(parent);
+        if super::parse_traceparent(headers).is_some() {
+            let parent = TraceContextPropagator::new().extract(&Headers(headers));
+            let _ = span.set_parent(parent);
+        }
         let cx = span.context();
         let sc = cx.span().span_context().clone();
         let tracestate = sc.trace_state().header();
@@ -191,7 +222,7 @@ pub(super) mod otel {
             trace_id: sc.trace_id().to_string(),
             span_id: sc.span_id().to_string(),
             sampled: sc.is_sampled(),
-            tracestate: (!tracestate.is_empty()).then_some(tracestate),
+            tracestate: super::bounded_tracestate(&tracestate),
         })
     }
 
@@ -228,8 +259,32 @@ mod tests {
             "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
             "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
             "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-+1",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-1",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-001",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-0F",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-0g",
         ] {
             assert!(parse_traceparent(&headers(bad)).is_none(), "{bad}");
         }
+        let unsampled = parse_traceparent(&headers(
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+        ))
+        .expect("flags 00 are valid");
+        assert!(!unsampled.sampled);
+    }
+
+    #[test]
+    fn tracestate_is_capped_at_32_members_and_dropped_when_too_long() {
+        assert_eq!(
+            bounded_tracestate("a=1 , b=2,,c=3").as_deref(),
+            Some("a=1,b=2,c=3")
+        );
+        let forty: Vec<String> = (0..40).map(|i| format!("v{i}=x")).collect();
+        let capped = bounded_tracestate(&forty.join(",")).unwrap();
+        assert_eq!(capped, forty[..32].join(","));
+        let long = format!("big={}", "x".repeat(600));
+        assert_eq!(bounded_tracestate(&long), None);
+        assert_eq!(bounded_tracestate(" , "), None);
     }
 }

@@ -86,3 +86,31 @@ async fn concurrent_requests_never_see_each_others_context() {
     assert_eq!(per_request.len(), n as usize);
     assert!(per_request.values().all(|c| *c == 5));
 }
+
+#[tokio::test]
+async fn a_callers_tracestate_is_forwarded_capped_at_32_members_and_dropped_when_huge() {
+    let app = crate::helpers::spawn_app().await;
+    let traceparent = "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01";
+    let members: Vec<String> = (0..40).map(|i| format!("v{i}=x")).collect();
+    let cases = [
+        (members.join(","), Some(members[..32].join(","))),
+        (format!("big={}", "x".repeat(15_000)), None),
+    ];
+    for (tracestate, forwarded) in cases {
+        let before = app.sim.sim.journal().len();
+        let resp = app
+            .client
+            .get(app.url("/api/v1/dashboard/1"))
+            .header("traceparent", traceparent)
+            .header("tracestate", &tracestate)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let journal = app.sim.sim.journal();
+        assert_eq!(journal.len() - before, 5);
+        for seen in &journal[before..] {
+            assert_eq!(seen.tracestate, forwarded, "{:?}", seen.service);
+        }
+    }
+}
