@@ -168,10 +168,9 @@ impl Application {
             .http1()
             .timer(TokioTimer::new())
             .header_read_timeout(server.header_read_timeout)
-            // A client may shut down its sending side once its request is out (`nc -N`,
-            // `socat`): that end of file is not the end of the connection, and the response
-            // is still owed.
-            .half_close(true)
+            // Off by default: an end of file in the middle of a request then means the client
+            // has gone, and its request is cancelled (recorded as 499) instead of running on.
+            .half_close(server.half_close)
             // Hard bounds at twice the configured limits: up to them the request layer answers
             // 431 with a problem document; beyond them hyper refuses with its own bare 431.
             .max_headers(server.max_headers.get().saturating_mul(2))

@@ -90,6 +90,11 @@ pub struct ServerSettings {
     /// kept-alive connection waits for its next request, also the idle keep-alive timeout.
     #[serde(with = "types::positive_duration")]
     pub header_read_timeout: Duration,
+    /// Answer a client that shuts down its sending side after its request (`socat`, `nc -N`).
+    /// TCP cannot tell that from a client that has gone away, so with this on an abandoned
+    /// request is no longer cancelled at once: it runs on, holding its admission permit and
+    /// its downstream calls, until it completes or its deadline passes.
+    pub half_close: bool,
     /// Largest number of request headers accepted.
     pub max_headers: NonZeroUsize,
     /// Largest request head (request line plus headers) in bytes.
@@ -119,6 +124,7 @@ impl Default for ServerSettings {
             max_connections: nonzero(20_000),
             listen_backlog: 4096,
             worker_threads: None,
+            half_close: false,
         }
     }
 }

@@ -338,9 +338,9 @@ async fn a_client_that_stops_reading_is_disconnected_after_the_write_timeout() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_half_closes_after_its_request_still_gets_the_response() {
+async fn with_half_close_on_a_client_that_half_closes_after_its_request_gets_the_response() {
     let _serial = serial().await;
-    let app = spawn_app_with(|_| {}).await;
+    let app = spawn_app_with(|s| s.server.half_close = true).await;
 
     let mut stream = TcpStream::connect(app.addr).await.unwrap();
     stream
