@@ -326,7 +326,7 @@ for name, svc in services.items():
 yaml.safe_dump(spec, open(sys.argv[2], "w"), sort_keys=False)
 PY
 
-for port in 8080 9090 15432; do
+for port in 8080 19090 9090 15432; do
   if ss -Hltn "sport = :$port" | grep -q .; then fatal "port $port is taken on this machine; the stack publishes it"; fi
 done
 
@@ -431,7 +431,7 @@ prom_has() { # QUERY: at least one sample, every value > 0
     | python3 -c 'import json,sys; r=json.load(sys.stdin); v=[float(s["value"][1]) for s in r["data"]["result"]] if r.get("status")=="success" else []; sys.exit(0 if v and min(v)>0 else 1)'
 }
 wait_for "prometheus (stand-in) ready on localhost:9090" 60 curl -sf -m 2 http://localhost:9090/-/ready
-wait_for "prometheus: up{job=\"tributary\"} == 1 (scraping gateway:8080 in the compose network)" 60 \
+wait_for "prometheus: up{job=\"tributary\"} == 1 (scraping gateway:9090 in the compose network)" 60 \
   prom_has 'up{job="tributary"} == 1'
 wait_for "prometheus: tributary_build_info{revision=\"$REVISION\"} (the scraped gateway is this image)" 30 \
   prom_has "tributary_build_info{job=\"tributary\",revision=\"$REVISION\"}"

@@ -24,7 +24,8 @@
 #   5. through Prometheus' HTTP API: the target is up, and every dashboard query, every recording
 #      and alerting rule and every prometheus-adapter rule parses and returns data
 #      (prometheus/check_queries.py live); every metric those queries name is in the live scrape;
-#   6. `promtool check metrics` on a live scrape of /metrics.
+#   6. `promtool check metrics` on a live scrape of /metrics (on the operations port; the API port
+#      must not serve it).
 #
 # Everything it starts is killed on exit (trap) and its database dropped; the whole run is bounded
 # by OBS_CHECK_TIMEOUT seconds (default 600). Its work directory (logs, Prometheus' TSDB) is removed
@@ -180,6 +181,7 @@ SIM_OK=$(free_port)
 SIM_SLOW=$(free_port)
 SIM_FLAKY=$(free_port)
 GATEWAY=$(free_port)
+OPS=$(free_port) # the gateway's operations listener: /metrics
 PROM=$(free_port)
 REDIS_CLOSED=$(free_port) # nothing listens here: every Redis call fails and falls back
 SIM_DOWN=$(free_port)     # nor here: notifications is "down", its calls fail to connect and are retried
@@ -204,6 +206,7 @@ pass "three downstream simulators answer /healthz"
 
 (
   export TRIBUTARY_SERVER__LISTEN=127.0.0.1:$GATEWAY
+  export TRIBUTARY_SERVER__OPS_LISTEN=127.0.0.1:$OPS
   export TRIBUTARY_DOWNSTREAMS__USERS__BASE_URL=http://127.0.0.1:$SIM_OK
   export TRIBUTARY_DOWNSTREAMS__CARTS__BASE_URL=http://127.0.0.1:$SIM_OK
   export TRIBUTARY_DOWNSTREAMS__NOTIFICATIONS__BASE_URL=http://127.0.0.1:$SIM_DOWN
@@ -244,7 +247,7 @@ else
   die "gateway did not become ready"
 fi
 
-python3 prometheus/check_queries.py render-config --target "127.0.0.1:$GATEWAY" --self "127.0.0.1:$PROM" \
+python3 prometheus/check_queries.py render-config --target "127.0.0.1:$OPS" --self "127.0.0.1:$PROM" \
   --out "$OBS_WORK/prometheus.yml" | sed 's/^/    /'
 check "promtool check config on the rewritten copy" promtool check config "$OBS_WORK/prometheus.yml"
 prometheus --config.file="$OBS_WORK/prometheus.yml" --storage.tsdb.path="$OBS_WORK/tsdb" \
@@ -329,7 +332,12 @@ cat "$OBS_WORK/orders.log" "$OBS_WORK/bad.log" | sort | uniq -c | sed 's/^/     
 
 # ---------------------------------------------------------------------------
 log "5. every query against the live Prometheus"
-curl -fsS --max-time 5 "$GW/metrics" >"$OBS_WORK/metrics.txt" || die "GET /metrics"
+curl -fsS --max-time 5 "http://127.0.0.1:$OPS/metrics" >"$OBS_WORK/metrics.txt" || die "GET /metrics on the ops port"
+if [[ $(curl -s -o /dev/null -w '%{http_code}' --max-time 5 "$GW/metrics") == 404 ]]; then
+  pass "/metrics is not served on the API port"
+else
+  fail "/metrics answers on the API port"
+fi
 check "every dashboard, rule and adapter query returns data; every metric they name is scraped" \
   python3 prometheus/check_queries.py live --prom "http://127.0.0.1:$PROM" --since "$SINCE" --deadline 45 \
   --metrics-file "$OBS_WORK/metrics.txt"

@@ -97,6 +97,15 @@ def k8s(docs: list[dict]) -> None:
         listen_port in {p["containerPort"] for p in ctr.get("ports", [])},
         f"server.listen port {listen_port} is a containerPort",
     )
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        port = ctr.get(probe, {}).get("httpGet", {}).get("port")
+        numbers = {p.get("name"): p["containerPort"] for p in ctr.get("ports", [])}
+        if port is not None:
+            check(numbers.get(port, port) == listen_port,
+                  f"{probe} probes the API's port {listen_port}, not the operations port")
+    ops_port = int(env.get("TRIBUTARY_SERVER__OPS_LISTEN", "0.0.0.0:9090").rsplit(":", 1)[1])
+    ops_names = {p.get("name") for p in ctr.get("ports", []) if p["containerPort"] == ops_port}
+    check(ops_names != set(), f"server.ops_listen port {ops_port} is a containerPort")
 
     # Security context (the namespace enforces the restricted Pod Security Standard).
     psc, csc = pod.get("securityContext", {}), ctr.get("securityContext", {})
@@ -132,10 +141,12 @@ def k8s(docs: list[dict]) -> None:
     for sm in manifests.find(docs, "ServiceMonitor"):
         check(selects(sm["spec"]["selector"]["matchLabels"], svc["metadata"].get("labels", {})),
               f"ServiceMonitor/{sm['metadata']['name']} selects the Service")
-        svc_ports = {p.get("name") for p in svc["spec"]["ports"]}
+        ops_svc_ports = {p.get("name") for p in svc["spec"]["ports"]
+                         if p.get("targetPort") in ops_names | {ops_port}}
         for ep in sm["spec"]["endpoints"]:
-            check(ep.get("port") in svc_ports and ep.get("path", "/metrics") == "/metrics",
-                  f"ServiceMonitor endpoint scrapes /metrics on Service port {ep.get('port')}")
+            check(ep.get("port") in ops_svc_ports and ep.get("path", "/metrics") == "/metrics",
+                  f"ServiceMonitor endpoint scrapes /metrics on the Service port of server.ops_listen "
+                  f"(found {ep.get('port')})")
 
     # HPA.
     hpa = manifests.one(docs, "HorizontalPodAutoscaler")
@@ -217,6 +228,12 @@ def compose(path: Path) -> None:
         for src, _ in mounts(svc):
             check(src.exists(), f"compose {name}: bind mount {src.relative_to(base)} exists")
 
+    def ops_port(name: str) -> int | None:
+        env = services.get(name, {}).get("environment", {}) or {}
+        if "TRIBUTARY_SERVER__LISTEN" not in env:
+            return None
+        return int(str(env.get("TRIBUTARY_SERVER__OPS_LISTEN", "0.0.0.0:9090")).rsplit(":", 1)[1])
+
     def listen_port(name: str) -> int | None:
         env = services.get(name, {}).get("environment", {}) or {}
         for key in ("TRIBUTARY_SERVER__LISTEN", "SIM_LISTEN"):
@@ -247,11 +264,12 @@ def compose(path: Path) -> None:
             target = str(Path("/etc/prometheus") / rf)
             check(target in prom_mounts, f"prometheus rule_files {rf} resolves to a mounted file ({target})")
         targets = [t for sc in cfg.get("scrape_configs", []) for st in sc.get("static_configs", []) for t in st["targets"]]
-        check(f"gateway:{listen_port('gateway')}" in targets, "prometheus scrapes gateway on its listen port")
+        check(f"gateway:{ops_port('gateway')}" in targets,
+              "prometheus scrapes gateway on its operations port (server.ops_listen)")
         for t in targets:
             host, _, port = t.rpartition(":")
             if host not in ("localhost", "127.0.0.1"):
-                check(host in services and int(port) == listen_port(host),
+                check(host in services and int(port) in {listen_port(host), ops_port(host)},
                       f"prometheus target {t} is a compose service on its port")
 
     graf = services["grafana"]

@@ -130,12 +130,13 @@ local = {}  # (service, container port) -> local port
 for n in sims:
     local[(n, container_port(n, "SIM_LISTEN"))] = free_port()
 local[(gateway, container_port(gateway, "TRIBUTARY_SERVER__LISTEN"))] = free_port()
+local[(gateway, container_port(gateway, "TRIBUTARY_SERVER__OPS_LISTEN"))] = free_port()
 local[("postgres", 5432)] = 5432
 not_started = {n for n in services if n not in sims and n not in (gateway, migrate, "postgres")}
 
 def rewrite(name, key, value):
     value = str(value)
-    if key in ("SIM_LISTEN", "TRIBUTARY_SERVER__LISTEN"):
+    if key in ("SIM_LISTEN", "TRIBUTARY_SERVER__LISTEN", "TRIBUTARY_SERVER__OPS_LISTEN"):
         return f"127.0.0.1:{local[(name, int(value.rsplit(':', 1)[1]))]}"
     if key == "DATABASE_URL":
         return f"postgres://postgres@127.0.0.1:5432/{db_name}"

@@ -9,6 +9,7 @@
 # Settings (environment variables, or make variables: `make dev PORT=8081`):
 #   DATABASE_URL  postgres://postgres@127.0.0.1:5432/tributary  the database (created if missing)
 #   PORT          8080     the gateway's port, on 127.0.0.1
+#   OPS_PORT      9090     its operations port (/metrics, /healthz, /readyz), on 127.0.0.1
 #   SIM_PORT      9001     the simulators' first port; the five use SIM_PORT .. SIM_PORT+4
 #   PROFILE       debug    or release (a slower first build, a faster gateway)
 #   SEED_USERS    10000    users 1..N get five demo orders each (idempotent)
@@ -18,6 +19,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 DATABASE_URL=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/tributary}
 PORT=${PORT:-8080}
+OPS_PORT=${OPS_PORT:-9090}
 SIM_PORT=${SIM_PORT:-9001}
 PROFILE=${PROFILE:-debug}
 SEED_USERS=${SEED_USERS:-10000}
@@ -28,6 +30,9 @@ die() { say "$*"; exit 1; }
 # ---- settings ----------------------------------------------------------------------------------
 if ! [[ $PORT =~ ^[0-9]+$ ]] || ((PORT == 0 || PORT > 65535)); then
   die "PORT must be a port number (got '$PORT')"
+fi
+if ! [[ $OPS_PORT =~ ^[0-9]+$ ]] || ((OPS_PORT == 0 || OPS_PORT > 65535 || OPS_PORT == PORT)); then
+  die "OPS_PORT must be a port number other than PORT (got '$OPS_PORT')"
 fi
 if ! [[ $SIM_PORT =~ ^[0-9]+$ ]] || ((SIM_PORT == 0 || SIM_PORT + 4 > 65535)); then
   die "SIM_PORT must be a port number with four more free after it (got '$SIM_PORT')"
@@ -55,6 +60,7 @@ command -v curl >/dev/null || die "curl not found: apt-get install curl"
 # Some process already listening on 127.0.0.1:PORT?
 port_taken() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 port_taken "$PORT" && die "port $PORT is in use (see: ss -ltnp 'sport = :$PORT'); choose another: make dev PORT=$((PORT + 1))"
+port_taken "$OPS_PORT" && die "port $OPS_PORT (the operations port) is in use (see: ss -ltnp 'sport = :$OPS_PORT'); choose another: make dev OPS_PORT=$((OPS_PORT + 1))"
 for ((p = SIM_PORT; p < SIM_PORT + 5; p++)); do
   port_taken "$p" && die "port $p (a simulator's) is in use (see: ss -ltnp 'sport = :$p'); choose other ports: make dev SIM_PORT=$((SIM_PORT + 100))"
 done
@@ -110,6 +116,7 @@ trap '' PIPE
 export DATABASE_URL
 export TRIBUTARY_TELEMETRY__LOG_FORMAT=pretty
 export TRIBUTARY_SERVER__LISTEN=127.0.0.1:$PORT
+export TRIBUTARY_SERVER__OPS_LISTEN=127.0.0.1:$OPS_PORT
 
 # The five downstream services, with the latencies of docker-compose.yml.
 services=(users carts recommendations promotions notifications)
@@ -147,7 +154,7 @@ if ! wait_ok "http://127.0.0.1:$PORT/readyz" "$gateway" 60; then
   wait "$gateway" || die "the gateway exited with status $? (its log is above)"
   die "the gateway exited"
 fi
-say "ready: curl -s http://127.0.0.1:$PORT/api/v1/dashboard/1   (metrics: /metrics; Ctrl-C stops everything)"
+say "ready: curl -s http://127.0.0.1:$PORT/api/v1/dashboard/1   (metrics: http://127.0.0.1:$OPS_PORT/metrics; Ctrl-C stops everything)"
 
 # In the foreground until the gateway ends or a signal arrives (the traps above stop the rest).
 status=0

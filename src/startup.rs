@@ -42,7 +42,7 @@ use crate::{
     db::Db,
     downstream::{Downstreams, build_client},
     http::{
-        AppState,
+        AppState, ops_router,
         pushback::{Pausable, Pushback},
         router,
     },
@@ -67,6 +67,8 @@ pub const METRIC_FAMILIES: &[&[Family]] = &[
 pub struct Application {
     listener: TcpListener,
     router: Router,
+    /// `server.ops_listen`, serving [`ops_router`].
+    ops_listener: TcpListener,
     state: AppState,
     draining: Arc<AtomicBool>,
     /// Handed to every background task the application starts (the queueing-delay probe,
@@ -127,9 +129,12 @@ impl Application {
         };
         let listener = listen(settings.server.listen, settings.server.listen_backlog)
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", settings.server.listen))?;
+        let ops_listener = listen(settings.server.ops_listen, OPS_BACKLOG)
+            .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", settings.server.ops_listen))?;
         Ok(Self {
             router: router(state.clone(), extra),
             listener,
+            ops_listener,
             state,
             draining,
             tasks,
@@ -139,6 +144,13 @@ impl Application {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.listener
+            .local_addr()
+            .expect("a bound listener has an address")
+    }
+
+    /// Where the operations endpoints (`/metrics`, `/healthz`, `/readyz`) are served.
+    pub fn ops_addr(&self) -> SocketAddr {
+        self.ops_listener
             .local_addr()
             .expect("a bound listener has an address")
     }
@@ -153,6 +165,7 @@ impl Application {
         let Self {
             listener,
             router,
+            ops_listener,
             state,
             draining,
             tasks,
@@ -161,6 +174,12 @@ impl Application {
         let settings = Arc::clone(&state.settings);
         let server = &settings.server;
         telemetry::runtime::spawn_samplers(tasks.clone());
+        // Until the API has drained: a scrape during the drain still sees it.
+        let ops = tokio::spawn(serve_ops(
+            ops_listener,
+            ops_router(state.clone()),
+            tasks.clone(),
+        ));
         state.db.spawn_pool_sampler(tasks);
 
         let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -251,8 +270,26 @@ impl Application {
             Err(_) => tracing::warn!("drain timeout elapsed; closing remaining connections"),
         }
         drop(stop_tasks);
+        let _ = tokio::time::timeout(Duration::from_secs(1), ops).await;
         state.db.close().await;
         Ok(())
+    }
+}
+
+/// The operations listener's accept queue: a few scrapers and probes, not a fleet of clients.
+const OPS_BACKLOG: u32 = 128;
+
+/// Serves the operations endpoints until `stop` is cancelled. A plain server: the port is for
+/// Prometheus and probes, and keeping it apart from the API's connection loop is the point.
+async fn serve_ops(listener: TcpListener, router: Router, stop: CancellationToken) {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "operations endpoints listening");
+    }
+    if let Err(e) = axum::serve(listener, router)
+        .with_graceful_shutdown(stop.cancelled_owned())
+        .await
+    {
+        tracing::warn!(error = %e, "operations listener failed");
     }
 }
 

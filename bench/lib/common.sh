@@ -14,13 +14,13 @@ SERVER_CPUS="${BENCH_SERVER_CPUS:-0}"
 LOADGEN_CPUS="${BENCH_LOADGEN_CPUS:-1}"
 PG_URL_BASE="${BENCH_PG_URL_BASE:-postgres://postgres@127.0.0.1:5432}"
 # Free ports, chosen by the kernel, so that a run never talks to somebody else's server.
-read -r GATEWAY_PORT BENCH_SERVER_PORT SIM_PORT_LIST < <(python3 -c '
+read -r GATEWAY_PORT GATEWAY_OPS_PORT BENCH_SERVER_PORT SIM_PORT_LIST < <(python3 -c '
 import socket
-socks = [socket.socket() for _ in range(7)]
+socks = [socket.socket() for _ in range(8)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 ports = [s.getsockname()[1] for s in socks]
-print(ports[0], ports[1], ",".join(map(str, ports[2:])))
+print(ports[0], ports[1], ports[2], ",".join(map(str, ports[3:])))
 ')
 IFS=, read -r -a SIM_PORTS <<<"$SIM_PORT_LIST"
 
@@ -298,6 +298,7 @@ bench_start_gateway() {
   local i
   GATEWAY_ENV=(
     "TRIBUTARY_SERVER__LISTEN=127.0.0.1:$GATEWAY_PORT"
+    "TRIBUTARY_SERVER__OPS_LISTEN=127.0.0.1:$GATEWAY_OPS_PORT"
     "TRIBUTARY_SERVER__WORKER_THREADS=1"
     "DATABASE_URL=$DATABASE_URL_BENCH"
     "TRIBUTARY_TELEMETRY__LOG_LEVEL=${BENCH_GATEWAY_LOG_LEVEL:-info}"
@@ -352,7 +353,7 @@ bench_gateway_run() {
   shift 7
   local sims
   sims="$(IFS=,; echo "${SIM_PIDS[*]}")"
-  local metrics=(--metrics-url "http://127.0.0.1:$GATEWAY_PORT/metrics")
+  local metrics=(--metrics-url "http://127.0.0.1:$GATEWAY_OPS_PORT/metrics")
   bench_measure --out "$OUT_DIR/runs/${variant}-c${conns}-r${rep}.json" --scenario "$SCENARIO" \
     --variant "$variant" --repetition "$rep" \
     --url "http://127.0.0.1:$GATEWAY_PORT/api/v1/dashboard/1" \

@@ -66,7 +66,12 @@ pub struct Settings {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ServerSettings {
+    /// The API, and `/healthz` and `/readyz` for probes.
     pub listen: SocketAddr,
+    /// The operations endpoints: `/metrics`, and copies of `/healthz` and `/readyz`. A port of
+    /// their own, so that what scrapes and probes the gateway never competes with the API's
+    /// clients for connections, and the API's clients never reach the scrape.
+    pub ops_listen: SocketAddr,
     /// Budget for a whole request; every downstream call and query gets at most what is left.
     #[serde(with = "types::positive_duration")]
     pub request_deadline: Duration,
@@ -85,16 +90,16 @@ pub struct ServerSettings {
     /// closes the connection, and with it the response it pinned in memory.
     #[serde(with = "types::positive_duration")]
     pub write_timeout: Duration,
-    /// A connection must deliver a complete request head within this time of starting to wait
-    /// for one. It is the slowloris guard and, because hyper starts the same timer whenever a
-    /// kept-alive connection waits for its next request, also the idle keep-alive timeout.
-    #[serde(with = "types::positive_duration")]
-    pub header_read_timeout: Duration,
     /// Answer a client that shuts down its sending side after its request (`socat`, `nc -N`).
     /// TCP cannot tell that from a client that has gone away, so with this on an abandoned
     /// request is no longer cancelled at once: it runs on, holding its admission permit and
     /// its downstream calls, until it completes or its deadline passes.
     pub half_close: bool,
+    /// A connection must deliver a complete request head within this time of starting to wait
+    /// for one. It is the slowloris guard and, because hyper starts the same timer whenever a
+    /// kept-alive connection waits for its next request, also the idle keep-alive timeout.
+    #[serde(with = "types::positive_duration")]
+    pub header_read_timeout: Duration,
     /// Largest number of request headers accepted.
     pub max_headers: NonZeroUsize,
     /// Largest request head (request line plus headers) in bytes.
@@ -113,18 +118,19 @@ impl Default for ServerSettings {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            ops_listen: SocketAddr::from(([0, 0, 0, 0], 9090)),
             request_deadline: Duration::from_secs(1),
             drain_timeout: Duration::from_secs(20),
             max_body_bytes: nonzero(64 * 1024),
             body_read_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(10),
+            half_close: false,
             header_read_timeout: Duration::from_secs(10),
             max_headers: nonzero(64),
             max_header_bytes: nonzero(16 * 1024),
             max_connections: nonzero(20_000),
             listen_backlog: 4096,
             worker_threads: None,
-            half_close: false,
         }
     }
 }
@@ -564,6 +570,13 @@ impl Settings {
             problems.push(format!(
                 "admission.adaptive needs min_limit <= initial_limit <= max_limit, got {} / {} / {}",
                 a.min_limit, a.initial_limit, a.max_limit
+            ));
+        }
+        let server = &self.server;
+        if server.listen.port() != 0 && server.listen.port() == server.ops_listen.port() {
+            problems.push(format!(
+                "server.ops_listen ({}) must use another port than server.listen ({})",
+                server.ops_listen, server.listen
             ));
         }
         let adm = &self.admission;

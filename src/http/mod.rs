@@ -1,8 +1,10 @@
 //! The HTTP surface: state, routes, and the tower stack, declared in one place.
 //!
-//! Layers are listed outermost first in [`router`]; each carries a one-line reason. Health and
-//! metrics routes are not admission-controlled or rate-limited (the edge passes them): they
-//! must answer precisely when the gateway is overloaded, and they are cheap.
+//! Layers are listed outermost first in [`router`]; each carries a one-line reason. The health
+//! routes are not admission-controlled or rate-limited (the edge passes them): they must answer
+//! precisely when the gateway is overloaded, and they are cheap. `/metrics` is not on the API's
+//! port at all: it is served, with copies of the health routes, by [`ops_router`] on
+//! `server.ops_listen`.
 
 mod dashboard;
 mod edge;
@@ -42,6 +44,18 @@ pub struct AppState {
     pub(crate) draining: Arc<AtomicBool>,
 }
 
+/// The operations endpoints, served on `server.ops_listen`: `/metrics`, `/healthz` and
+/// `/readyz`. No request layers: a scrape is not API traffic, so it is neither limited nor
+/// counted in the API's RED metrics.
+pub fn ops_router(state: AppState) -> Router {
+    Router::new()
+        .route("/metrics", get(health::metrics))
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .fallback(|| async { ApiError::NotFound })
+        .with_state(state)
+}
+
 /// The whole application as a pure value: tests can drive it with `oneshot` or serve it.
 /// `extra` routes (tests, diagnostics) get the same request layers as the API.
 pub fn router(state: AppState, extra: Router<AppState>) -> Router {
@@ -51,10 +65,10 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
         .route(ORDER, get(orders::get_order))
         .merge(extra);
 
+    // Probes are pointed at the API's port: what they check is that this port answers.
     let ops = Router::new()
         .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz))
-        .route("/metrics", get(health::metrics));
+        .route("/readyz", get(health::readyz));
 
     let server = Arc::new(state.settings.server.clone());
     let edge = Arc::new(edge::Edge {

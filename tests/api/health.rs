@@ -18,6 +18,39 @@ async fn healthz_and_readyz_are_ok_when_the_database_is_migrated() {
 }
 
 #[tokio::test]
+async fn metrics_are_served_on_the_operations_port_only_and_health_on_both() {
+    let app = spawn_app().await;
+    assert_ne!(app.ops_addr.port(), app.addr.port());
+
+    for path in ["/healthz", "/readyz"] {
+        assert_eq!(app.get(path).await.status(), 200, "{path} on the API port");
+        assert_eq!(
+            app.ops_get(path).await.status(),
+            200,
+            "{path} on the ops port"
+        );
+    }
+    let (status, body) = crate::helpers::problem(app.get("/metrics").await).await;
+    assert_eq!(
+        (status, body["type"].as_str()),
+        (404, Some("/problems/not-found"))
+    );
+
+    let scrape = app.ops_get("/metrics").await;
+    assert_eq!(scrape.status(), 200);
+    let text = scrape.text().await.unwrap();
+    // The API port's requests are counted; the scrape itself is not API traffic.
+    assert!(
+        text.contains(r#"http_route="/healthz""#),
+        "the scrape has the API's request counts"
+    );
+    assert!(
+        !text.contains(r#"http_route="/metrics""#),
+        "a scrape was counted"
+    );
+}
+
+#[tokio::test]
 async fn readyz_is_503_while_the_database_is_unreachable_but_healthz_stays_200() {
     // A port nothing listens on: the database is down for the whole test.
     let unused = std::net::TcpListener::bind("127.0.0.1:0")

@@ -82,6 +82,8 @@ pub fn log_lines() -> Vec<Value> {
 
 pub struct TestApp {
     pub addr: SocketAddr,
+    /// The operations listener: `/metrics`, `/healthz`, `/readyz`.
+    pub ops_addr: SocketAddr,
     pub client: reqwest::Client,
     pub sim: SimHandle,
     pub db: PgPool,
@@ -97,6 +99,7 @@ pub struct TestApp {
 pub fn test_settings(sim_url: &str, database_url: &str) -> Settings {
     let mut s = Settings::default();
     s.server.listen = "127.0.0.1:0".parse().unwrap();
+    s.server.ops_listen = "127.0.0.1:0".parse().unwrap();
     s.server.request_deadline = Duration::from_millis(1500);
     s.server.drain_timeout = Duration::from_secs(5);
     s.database.url = tributary::config::Secret::new(database_url);
@@ -230,6 +233,7 @@ pub async fn spawn_app_full(
         .await
         .expect("application builds");
     let addr = app.local_addr();
+    let ops_addr = app.ops_addr();
     let state = app.state().clone();
     let (tx, rx) = oneshot::channel();
     let server = tokio::spawn(app.run_until_stopped(async {
@@ -238,6 +242,7 @@ pub async fn spawn_app_full(
     let db = PgPool::connect(&database.url()).await.expect("test pool");
     TestApp {
         addr,
+        ops_addr,
         client: reqwest::Client::builder()
             .timeout(Duration::from_secs(10))
             .build()
@@ -255,6 +260,20 @@ pub async fn spawn_app_full(
 impl TestApp {
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// A URL on the operations listener.
+    pub fn ops_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.ops_addr, path)
+    }
+
+    /// `GET` on the operations listener.
+    pub async fn ops_get(&self, path: &str) -> reqwest::Response {
+        self.client
+            .get(self.ops_url(path))
+            .send()
+            .await
+            .expect("request")
     }
 
     pub async fn get(&self, path: &str) -> reqwest::Response {
@@ -284,9 +303,9 @@ impl TestApp {
         self.set_service(service, |b| b.mode = Mode::Hang);
     }
 
-    /// The gateway's `/metrics` text.
+    /// The gateway's `/metrics` text, from the operations listener.
     pub async fn metrics(&self) -> String {
-        self.get("/metrics").await.text().await.unwrap()
+        self.ops_get("/metrics").await.text().await.unwrap()
     }
 
     /// A sample from the gateway's `/metrics`, 0 when the series does not exist yet.
