@@ -213,7 +213,9 @@ pass "three downstream simulators answer /healthz"
   export TRIBUTARY_DOWNSTREAMS__PROMOTIONS__BASE_URL=http://127.0.0.1:$SIM_SLOW
   export TRIBUTARY_DOWNSTREAMS__PROMOTIONS__TIMEOUT=150ms
   export TRIBUTARY_DOWNSTREAMS__RECOMMENDATIONS__BASE_URL=http://127.0.0.1:$SIM_FLAKY
-  # Few permits and almost no queueing: some requests are shed.
+  # Few permits and almost no queueing: some requests are shed. A static limit: the adaptive
+  # default follows the queueing delay and ignores max_in_flight.
+  export TRIBUTARY_ADMISSION__MODE=static
   export TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=4
   export TRIBUTARY_ADMISSION__MAX_WAIT=1ms
   # A tiny pool: waiters, acquire waits and some acquire timeouts.
