@@ -264,7 +264,7 @@ async fn content_types_must_be_json_and_the_suffix_is_case_insensitive() {
 }
 
 #[tokio::test]
-async fn two_idempotency_keys_are_refused() {
+async fn two_idempotency_keys_are_refused_and_whitespace_around_one_is_not_part_of_it() {
     let app = spawn_app().await;
     let resp = app
         .client
@@ -285,4 +285,18 @@ async fn two_idempotency_keys_are_refused() {
         "{problem}"
     );
     assert_eq!(orders_of(&app, 6).await, 0);
+
+    // Whitespace around the value is HTTP's optional whitespace, not part of the key.
+    let padded = app
+        .client
+        .post(app.url("/api/v1/orders"))
+        .header("idempotency-key", "   k-padded \t")
+        .json(&order(6))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(padded.status(), 201);
+    let replay = app.post_order(Some("k-padded"), &order(6)).await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(orders_of(&app, 6).await, 1);
 }
