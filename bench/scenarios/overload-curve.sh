@@ -63,7 +63,7 @@ curve_point() {
         --loadgen "$loadgen" --shape "$shape" "${extra[@]}" --connections "$conns" \
         --duration "$duration" --warmup "$warmup" --gauge-series \
         --server-pid "$GATEWAY_PID" --server-name gateway --proc "downstream-sim=$sims" \
-        --proc-comm "postgres=postgres" --metrics-url "http://127.0.0.1:$GATEWAY_PORT/metrics" \
+        --proc-comm "postgres=postgres" --metrics-url "http://127.0.0.1:$GATEWAY_OPS_PORT/metrics" \
         --limit-rps "${capacity_rps:-1}" --limit-basis "${capacity_basis:-calibration run}" \
         --meta "gateway_env=${GATEWAY_ENV[*]}" --meta "config=$config" --meta "users=$BENCH_USERS"; then
         bench_stop "$GATEWAY_PID"
