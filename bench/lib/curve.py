@@ -24,8 +24,8 @@ Definitions:
 * breaker opened = tributary_downstream_circuit_transitions_total{to="open"} grew, when the
   family exists; otherwise a sampled tributary_downstream_circuit_state reached 2 (open) or an
   answer was short-circuited (downstream outcome circuit_open).
-* readiness flaps = times tributary_admission_shedding (readiness false while 1) turned from 0
-  to 1 in the once-a-second samples.
+* readiness flaps = times /readyz (polled once a second; else tributary_admission_shedding, 1
+  while readiness is false) turned from ready to not ready in the once-a-second samples.
 """
 
 from __future__ import annotations
@@ -77,7 +77,10 @@ def point(run: dict, capacity: float, w0_ms: float) -> dict:
         opens_basis = "sampled state"
     circuit_open_answers = sum(v for k, v in (m.get("tributary_downstream_requests_total") or {}).items()
                                if "outcome=circuit_open" in k)
-    flaps, shedding_max = series_changes(series, "admission_shedding")
+    # Readiness as polled on /readyz; the shedding gauge where a run has no such samples.
+    flaps, shedding_max = series_changes(series, "not_ready")
+    if shedding_max is None:
+        flaps, shedding_max = series_changes(series, "admission_shedding")
     limits = [s["admission_limit_dashboard"] for s in series if "admission_limit_dashboard" in s]
     rejected = lg["outcomes"]["503"] + lg["outcomes"]["429"]
     cpu_s = dig(run, "server", "cpu_s")

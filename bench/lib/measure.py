@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -449,6 +450,15 @@ def measure_once(args) -> tuple[dict, str]:
 
     gauge_samples: list[dict] = []
 
+    def readyz_status(url: str) -> int | None:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except (OSError, ValueError):
+            return None
+
     def sample() -> None:
         tick = 0
         while not stop.is_set():
@@ -459,6 +469,10 @@ def measure_once(args) -> tuple[dict, str]:
             # are the L of Little's law (busy pool connections, requests in flight).
             if args.metrics_url and tick % 2 == 1:
                 values = promtext.sample_gauges(scrape(args.metrics_url))
+                # Readiness as the load balancer sees it, beside the gauges.
+                ready = readyz_status(args.metrics_url.rsplit("/", 1)[0] + "/readyz")
+                if ready is not None:
+                    values["not_ready"] = 0.0 if ready == 200 else 1.0
                 if values:
                     gauge_samples.append({"t": round(time.monotonic() - t0, 2), **values})
             tick += 1

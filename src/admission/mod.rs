@@ -113,7 +113,7 @@ impl Admission {
     }
 
     /// True while shedding has been heavy (readiness reports not-ready).
-    pub(crate) fn is_shedding(&self) -> bool {
+    pub fn is_shedding(&self) -> bool {
         self.shedding.load(Ordering::Relaxed)
     }
 
@@ -223,7 +223,7 @@ async fn control(
             tracing::warn!(
                 shed_ratio = ratio,
                 shedding = now_shedding,
-                "admission readiness changed"
+                "admission heavy-shedding state changed"
             );
             admission.shedding.store(now_shedding, Ordering::Relaxed);
             gauge.set(if now_shedding { 1.0 } else { 0.0 });
@@ -284,7 +284,7 @@ pub(crate) const REJECTIONS: Family = Family::counter(
 );
 pub(crate) const SHEDDING: Family = Family::gauge(
     "tributary_admission_shedding",
-    "1 while admission has been shedding heavily (readiness is false), else 0.",
+    "1 while admission has been shedding heavily (with admission.shedding_turns_unready, readiness is then false), else 0.",
 );
 
 /// The families this module records.

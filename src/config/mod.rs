@@ -330,7 +330,14 @@ pub struct AdmissionSettings {
     /// Per-group overrides; keys are `dashboard` and `orders`.
     pub groups: BTreeMap<RouteGroup, AdmissionGroupSettings>,
     pub adaptive: AdaptiveSettings,
-    /// Share of rejected requests per second above which readiness turns false ...
+    /// Whether heavy shedding (the hysteresis below) turns readiness false. Off by default:
+    /// when a whole fleet is overloaded, readiness that follows shedding takes replicas out one
+    /// after another and the rest get their traffic on top (a cascade); a replica that sheds is
+    /// still serving all it can. Either way the state is in `/readyz`'s body and in
+    /// `tributary_admission_shedding`. On suits one hot replica behind a load balancer that
+    /// spreads by readiness.
+    pub shedding_turns_unready: bool,
+    /// Share of rejected requests per second above which shedding is heavy ...
     pub unready_shed_ratio: Ratio,
     /// ... once it has held for this many consecutive seconds,
     pub unready_after_secs: u32,
@@ -349,6 +356,7 @@ impl Default for AdmissionSettings {
             pushback: true,
             groups: BTreeMap::new(),
             adaptive: AdaptiveSettings::default(),
+            shedding_turns_unready: false,
             unready_shed_ratio: Ratio::of(0.5),
             unready_after_secs: 3,
             ready_shed_ratio: Ratio::of(0.05),

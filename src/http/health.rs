@@ -22,7 +22,9 @@ pub(super) async fn readyz(State(state): State<AppState>) -> Response {
     let database = state.db.is_ready().await;
     let shedding = state.admission.as_ref().is_some_and(|a| a.is_shedding());
     let draining = state.draining.load(std::sync::atomic::Ordering::Relaxed);
-    let ready = database.is_ok() && !shedding && !draining;
+    // Shedding is reported either way; it makes the replica unready only when configured to.
+    let shed_out = shedding && state.settings.admission.shedding_turns_unready;
+    let ready = database.is_ok() && !shed_out && !draining;
     let body = json!({
         "status": if ready { "ready" } else { "not ready" },
         "database": match &database { Ok(()) => "ok".to_owned(), Err(e) => e.clone() },

@@ -332,6 +332,7 @@ async fn readiness_turns_off_under_heavy_shedding_and_comes_back_only_after_the_
         // light, which is pushback's point but not this test's.
         s.admission.pushback = false;
         s.admission.max_wait = Duration::from_millis(1);
+        s.admission.shedding_turns_unready = true;
         s.admission.unready_after_secs = 1;
         s.admission.ready_after_secs = 2;
     })
@@ -368,6 +369,39 @@ async fn readiness_turns_off_under_heavy_shedding_and_comes_back_only_after_the_
     // A lower bound only, which a slow machine can only make larger: recovery needed
     // ready_after_secs (2) light seconds after the last heavy one.
     assert!(stopped.elapsed() >= Duration::from_secs(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_heavy_shedding_is_reported_in_readiness_without_turning_it_off() {
+    let _serial = serial().await;
+    let app = spawn_app_with(|s| {
+        s.admission.max_in_flight = nz(2);
+        s.admission.mode = tributary::config::AdmissionMode::Static;
+        s.admission.pushback = false;
+        s.admission.max_wait = Duration::from_millis(1);
+        s.admission.unready_after_secs = 1;
+    })
+    .await;
+    for service in Service::ALL {
+        app.set_service(service, |b| b.latency = Duration::from_millis(100));
+    }
+    let admission = Arc::clone(app.state.admission.as_ref().unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = sustained_load(&app, 12, Arc::clone(&stop));
+    let shedding = eventually(Duration::from_secs(8), || async { admission.is_shedding() }).await;
+    let (status, body) = readiness(&app).await;
+    stop.store(true, Ordering::Relaxed);
+    load.await.unwrap();
+
+    assert!(
+        shedding,
+        "the load must shed heavily for this test to mean anything"
+    );
+    assert_eq!(
+        (status, &body["shedding"]),
+        (200, &json!(true)),
+        "shedding is reported, and the replica stays in the load balancer: {body}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
