@@ -75,18 +75,22 @@ pub(crate) enum ApiError {
     Internal(#[from] anyhow::Error),
 }
 
-/// What a database failure means for the request: the database's own faults are a 500, an
-/// exhausted pool is "we are full", and a budget spent is the deadline's 504.
+/// What a database failure means for the request: a database that cannot be reached or refuses
+/// the gateway, and an exhausted pool, are "try again later" (503), a budget spent is the
+/// deadline's 504, and only the database's other faults are a 500.
 impl From<DbError> for ApiError {
     fn from(e: DbError) -> Self {
         match e {
             DbError::BudgetExhausted | DbError::StatementTimeout => ApiError::GatewayTimeout,
-            DbError::PoolTimedOut | DbError::Database(sqlx::Error::PoolTimedOut) => {
-                ApiError::Unavailable {
-                    reason: "database pool exhausted",
-                    retry_after: Duration::from_secs(1),
-                }
-            }
+            DbError::PoolTimedOut => ApiError::Unavailable {
+                reason: "database pool exhausted",
+                retry_after: Duration::from_secs(1),
+            },
+            // The cause is logged once, by the database's health, when it goes down.
+            DbError::Unavailable(_) | DbError::KnownDown => ApiError::Unavailable {
+                reason: "the database is unavailable",
+                retry_after: Duration::from_secs(2),
+            },
             DbError::Database(e) => ApiError::Internal(e.into()),
         }
     }

@@ -98,7 +98,9 @@ fn db_outcome(e: &DbError) -> Outcome {
         DbError::PoolTimedOut => Outcome::Shed,
         DbError::BudgetExhausted => Outcome::BudgetExhausted,
         DbError::StatementTimeout => Outcome::Timeout,
-        DbError::Database(_) => Outcome::Error,
+        // Not tried: the database is known to be down.
+        DbError::KnownDown => Outcome::CircuitOpen,
+        DbError::Unavailable(_) | DbError::Database(_) => Outcome::Error,
     }
 }
 
@@ -129,7 +131,10 @@ pub(crate) async fn dashboard(
         let r = match tokio::time::timeout_at(context::deadline(), db.recent_orders(user_id)).await
         {
             Ok(r) => r.map_err(|e| {
-                tracing::warn!(error = %e, "recent orders unavailable");
+                // A known outage was logged once when it began, not once per request.
+                if !matches!(e, DbError::KnownDown) {
+                    tracing::warn!(error = %e, "recent orders unavailable");
+                }
                 db_outcome(&e)
             }),
             Err(_) => {

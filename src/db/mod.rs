@@ -6,7 +6,17 @@
 //! spent *opening* one (sqlx reports neither; see `Db::acquire`). Every statement runs with a
 //! `statement_timeout` derived from the request's remaining budget, so a query is never left
 //! running on the server after its caller has given up.
+//!
+//! A restarted database leaves the pool full of dead connections, and sqlx finds out only when
+//! one is used. A statement that fails because its connection is gone is therefore run once
+//! more on another connection, when that is safe: always for reads, and for the order
+//! transaction only when it failed before `COMMIT` was sent (the server rolls back a
+//! transaction whose connection died; after `COMMIT` the outcome is unknown, the client gets a
+//! 503, and its idempotency key makes its retry safe). For a while after a dead connection was
+//! found, reused connections are tested before use, so the retry does not meet the dead one's
+//! idle siblings. What the gateway knows about the database as a whole is in `health`.
 
+mod health;
 pub(crate) mod orders;
 mod seed;
 
@@ -23,7 +33,7 @@ use std::{
 use futures::FutureExt;
 use metrics::{Counter, Gauge, Histogram};
 use sqlx::{
-    PgConnection, PgPool,
+    ConnectOptions, Connection, PgConnection, PgPool,
     migrate::Migrator,
     pool::PoolConnection,
     postgres::{PgConnectOptions, PgPoolOptions},
@@ -32,6 +42,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::{config::DatabaseSettings, telemetry::Family};
+pub(crate) use health::DbState;
+use health::Health;
 
 /// The migrations in `migrations/`, embedded in the binary.
 pub(crate) static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
@@ -46,11 +58,23 @@ tokio::task_local! {
     static OPENED_CONNECTION: Cell<bool>;
 }
 
+/// How long a health check may take; also the bound of `/readyz`'s own check.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(1);
+/// How often the database is checked while it is up, and while it is not.
+const CHECK_EVERY_WHILE_UP: Duration = Duration::from_secs(5);
+const CHECK_EVERY_WHILE_DOWN: Duration = Duration::from_secs(1);
+/// Postgres's `undefined_table`: `_sqlx_migrations` does not exist, nothing was migrated.
+const UNDEFINED_TABLE: &str = "42P01";
+
 /// A handle to the pool plus its instruments. Cheap to clone.
 #[derive(Clone)]
 pub struct Db {
     pool: PgPool,
     metrics: Arc<PoolMetrics>,
+    health: Arc<Health>,
+    /// For the health check's own connection, which tells "the pool is full" from "the
+    /// database is down" (the pool's acquire hides a refused connect behind its timeout).
+    options: PgConnectOptions,
 }
 
 pub(crate) const POOL_CONNECTIONS: Family = Family::gauge(
@@ -91,6 +115,7 @@ pub(crate) const FAMILIES: &[Family] = &[
     POOL_CONNECT_DURATION,
     POOL_ACQUIRE_TIMEOUTS,
     QUERY_DURATION,
+    health::DB_UP,
 ];
 
 /// How often the pool's occupancy is sampled into its gauges.
@@ -162,6 +187,14 @@ pub(crate) enum DbError {
     /// out while it ran.
     #[error("the statement outlived the request's budget and was cancelled")]
     StatementTimeout,
+    /// The database cannot be reached or refuses the gateway: a connection refused, closed
+    /// or reset, a failed login (a wrong role or password), a missing database, a server
+    /// shutting down or out of connection slots.
+    #[error("the database is unavailable")]
+    Unavailable(#[source] sqlx::Error),
+    /// Not attempted: the database is known to be down (see `health`).
+    #[error("the database is known to be down")]
+    KnownDown,
     /// Anything else the driver or the server reported.
     #[error(transparent)]
     Database(sqlx::Error),
@@ -176,8 +209,39 @@ impl From<sqlx::Error> for DbError {
             sqlx::Error::Database(db) if db.code().as_deref() == Some(QUERY_CANCELED) => {
                 DbError::StatementTimeout
             }
+            sqlx::Error::PoolTimedOut => DbError::PoolTimedOut,
+            _ if is_unavailable(&e) => DbError::Unavailable(e),
             _ => DbError::Database(e),
         }
+    }
+}
+
+impl DbError {
+    /// Whether statements failed because their connection was gone (or the database is): run
+    /// on another connection they may succeed, the database having come back.
+    pub(crate) fn is_connection_lost(&self) -> bool {
+        matches!(self, DbError::Unavailable(_))
+    }
+}
+
+/// Whether an error says the database (or the way to it) is the problem, not the statement.
+fn is_unavailable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            // Class 08: connection exception; 28: invalid authorization (no such role, wrong
+            // password); 3D000: no such database; 57P01-03: the server is shutting down,
+            // crashed, or not yet accepting connections; 53300: too many connections.
+            code.starts_with("08")
+                || code.starts_with("28")
+                || code.starts_with("57P")
+                || code == "3D000"
+                || code == "53300"
+        }),
+        _ => false,
     }
 }
 
@@ -195,15 +259,21 @@ impl Db {
             .max_lifetime(settings.max_lifetime)
             // No ping before every acquire (sqlx's default): it is a round trip on the hot path,
             // held with the connection. A connection broken by a server restart fails its next
-            // statement instead, is discarded by sqlx, and that one part degrades.
+            // statement instead, which is then retried once on another connection (see the
+            // module's documentation), and reused connections are pinged for a while after.
             .test_before_acquire(false)
             .after_connect(|_conn, _meta| {
                 let _ = OPENED_CONNECTION.try_with(|opened| opened.set(true));
                 futures::future::ready(Ok(())).boxed()
             })
-            .connect_lazy_with(options);
+            .connect_lazy_with(options.clone());
         let metrics = Arc::new(PoolMetrics::register(settings.max_connections.get()));
-        let db = Self { pool, metrics };
+        let db = Self {
+            pool,
+            metrics,
+            health: Arc::new(Health::new()),
+            options,
+        };
         db.record_pool_gauges();
         Ok(db)
     }
@@ -218,35 +288,118 @@ impl Db {
         Ok(())
     }
 
-    /// Readiness: the database answers and every embedded migration has been applied.
-    pub(crate) async fn is_ready(&self) -> Result<(), String> {
-        let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
-        let check = async {
-            let mut conn = self.acquire(Duration::from_secs(1)).await?;
-            // The connection may carry a request's short statement_timeout; give the check its own.
-            set_statement_timeout(&mut conn, Duration::from_secs(1)).await?;
-            let applied: Option<i64> =
-                sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
-                    .fetch_one(&mut *conn)
+    /// The database's state for readiness: what the probe last saw when it is up or known
+    /// down, and a check of its own otherwise (before the first probe, and while migrations
+    /// are pending, so that applying them shows at once).
+    pub(crate) async fn readiness(&self) -> DbState {
+        match self.health.state() {
+            DbState::Up => DbState::Up,
+            DbState::Down if self.health.is_known_down() => DbState::Down,
+            known => {
+                // Within the request's deadline, so that the answer is this one and not the
+                // edge's 504; the last known state when the check takes longer.
+                let give_up = crate::context::deadline()
+                    .checked_sub(Duration::from_millis(50))
+                    .unwrap_or_else(Instant::now);
+                tokio::time::timeout_at(give_up, self.check())
                     .await
-                    .map_err(DbError::Database)?;
-            Ok::<_, DbError>(applied)
-        };
-        // Within the request's deadline, so that the answer is this one and not the edge's 504.
-        let give_up = (Instant::now() + Duration::from_secs(2)).min(crate::context::deadline());
-        match tokio::time::timeout_at(give_up, check).await {
-            Ok(Ok(Some(applied))) if applied >= latest => Ok(()),
-            Ok(Ok(applied)) => Err(format!(
-                "migrations pending: applied {applied:?}, latest {latest}"
-            )),
-            Ok(Err(e)) => Err(format!("database unreachable: {e}")),
-            Err(_) => Err("database check timed out".into()),
+                    .unwrap_or(known)
+            }
         }
     }
 
+    /// Checks the database (it answers, and every embedded migration is applied) and records
+    /// the result in `health`.
+    async fn check(&self) -> DbState {
+        let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
+        let applied = tokio::time::timeout(CHECK_TIMEOUT, async {
+            // A dead pooled connection says nothing about the database: check on another.
+            match self.applied_migrations().await {
+                Err(DbError::Unavailable(_)) => self.applied_migrations().await,
+                r => r,
+            }
+        })
+        .await;
+        let (state, cause) = match applied {
+            Ok(Ok(Some(applied))) if applied >= latest => (DbState::Up, None),
+            Ok(Ok(_)) => (DbState::MigrationsPending, None),
+            Ok(Err(DbError::Database(sqlx::Error::Database(e))))
+                if e.code().as_deref() == Some(UNDEFINED_TABLE) =>
+            {
+                (DbState::MigrationsPending, None)
+            }
+            // A full pool, or no answer in time: whether the database is down or only busy is
+            // for a connection of the check's own to tell.
+            Ok(Err(DbError::PoolTimedOut)) | Err(_) => match self.connect_directly().await {
+                Ok(()) => match self.health.state() {
+                    DbState::Down | DbState::Unknown => (DbState::Up, None),
+                    known => (known, None),
+                },
+                Err(cause) => (DbState::Down, Some(cause)),
+            },
+            Ok(Err(e)) => (DbState::Down, Some(causes(&e))),
+        };
+        self.health.record(state, cause);
+        state
+    }
+
+    /// The latest migration applied, on a pooled connection.
+    async fn applied_migrations(&self) -> Result<Option<i64>, DbError> {
+        let (mut conn, _) = self.acquire_raw(Instant::now() + CHECK_TIMEOUT).await?;
+        let result = async {
+            // The connection may carry a request's short statement_timeout; give the check its own.
+            set_statement_timeout(&mut conn, CHECK_TIMEOUT).await?;
+            sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(DbError::from)
+        }
+        .await;
+        if matches!(result, Err(DbError::Unavailable(_))) {
+            self.discard(conn);
+        }
+        result
+    }
+
+    /// Opens and closes a connection outside the pool; the error, as a log line, when it fails.
+    async fn connect_directly(&self) -> Result<(), String> {
+        match tokio::time::timeout(CHECK_TIMEOUT, self.options.connect()).await {
+            Ok(Ok(conn)) => {
+                let _ = conn.close().await;
+                Ok(())
+            }
+            Ok(Err(e)) => Err(causes(&e)),
+            Err(_) => Err(format!("no answer within {CHECK_TIMEOUT:?}")),
+        }
+    }
+
+    /// Checks the database until `shutdown` is cancelled: every few seconds while it is up,
+    /// every second while it is not, and at once when a request saw it fail. The first check
+    /// waits a period: until then readiness checks by itself, and a check racing the first
+    /// requests at start-up made the OpenTelemetry test lose their trace context (seen, not
+    /// yet explained).
+    fn spawn_health_probe(&self, shutdown: CancellationToken) {
+        let db = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let period = match db.health.state() {
+                    DbState::Up => CHECK_EVERY_WHILE_UP,
+                    _ => CHECK_EVERY_WHILE_DOWN,
+                };
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = db.health.next_check(period) => {}
+                }
+                db.check().await;
+            }
+        });
+    }
+
     /// Samples the pool's occupancy into its gauges once a second until `shutdown` is
-    /// cancelled (sqlx reports no events to count, so occupancy is polled).
+    /// cancelled (sqlx reports no events to count, so occupancy is polled); starts the health
+    /// probe beside it.
     pub(crate) fn spawn_pool_sampler(&self, shutdown: CancellationToken) {
+        self.spawn_health_probe(shutdown.clone());
         let db = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(POOL_SAMPLE_EVERY);
@@ -267,18 +420,10 @@ impl Db {
         self.metrics.in_use.set((size - idle).max(0.0));
     }
 
-    /// Acquires a connection, waiting at most `max_wait` (and never longer than the pool's own
-    /// acquire timeout). Records waiting and connecting separately: an acquire that had to open
-    /// a connection is recorded as connect time (its permit wait is part of it, and is short
-    /// whenever a slot was free to open), every other acquire as wait time.
-    pub(crate) async fn acquire(
-        &self,
-        max_wait: Duration,
-    ) -> Result<PoolConnection<sqlx::Postgres>, DbError> {
-        self.acquire_until(Instant::now() + max_wait).await
-    }
-
-    /// Acquires a connection, waiting until `deadline` at most.
+    /// Acquires a connection, waiting until `deadline` at most. Records waiting and connecting
+    /// separately: an acquire that had to open a connection is recorded as connect time (its
+    /// permit wait is part of it, and is short whenever a slot was free to open), every other
+    /// acquire as wait time.
     async fn acquire_until(
         &self,
         deadline: Instant,
@@ -286,15 +431,10 @@ impl Db {
         let m = &self.metrics;
         let _waiting = WaiterGuard::new(m);
         let started = Instant::now();
-        let (result, opened) = OPENED_CONNECTION
-            .scope(Cell::new(false), async {
-                let r = tokio::time::timeout_at(deadline, self.pool.acquire()).await;
-                (r, OPENED_CONNECTION.with(Cell::get))
-            })
-            .await;
+        let result = self.acquire_raw(deadline).await;
         let elapsed = started.elapsed().as_secs_f64();
         match result {
-            Ok(Ok(conn)) => {
+            Ok((conn, opened)) => {
                 if opened {
                     m.connect.record(elapsed);
                 } else {
@@ -302,13 +442,59 @@ impl Db {
                 }
                 Ok(conn)
             }
-            Ok(Err(sqlx::Error::PoolTimedOut)) | Err(_) => {
+            Err(DbError::PoolTimedOut) => {
                 m.acquire_timeouts.increment(1);
                 m.acquire_wait.record(elapsed);
+                // A full pool, or a database that refuses connections (the pool retries a
+                // refused connect until its timeout): the probe tells which.
+                self.health.check_soon();
                 Err(DbError::PoolTimedOut)
             }
-            Ok(Err(e)) => Err(DbError::from(e)),
+            Err(e) => {
+                if let DbError::Unavailable(cause) = &e {
+                    // A connect that failed for good (a login refused, no such database).
+                    self.health.record(DbState::Down, Some(causes(cause)));
+                }
+                Err(e)
+            }
         }
+    }
+
+    /// Acquires a connection until `deadline`, and whether it had to be opened. While pooled
+    /// connections are suspect, a reused one is pinged first and a dead one discarded.
+    async fn acquire_raw(
+        &self,
+        deadline: Instant,
+    ) -> Result<(PoolConnection<sqlx::Postgres>, bool), DbError> {
+        loop {
+            let (result, opened) = OPENED_CONNECTION
+                .scope(Cell::new(false), async {
+                    let r = tokio::time::timeout_at(deadline, self.pool.acquire()).await;
+                    (r, OPENED_CONNECTION.with(Cell::get))
+                })
+                .await;
+            let mut conn = match result {
+                Ok(Ok(conn)) => conn,
+                Ok(Err(e)) => return Err(DbError::from(e)),
+                Err(_) => return Err(DbError::PoolTimedOut),
+            };
+            if opened || !self.health.pooled_connections_suspect() {
+                return Ok((conn, opened));
+            }
+            match tokio::time::timeout_at(deadline, conn.ping()).await {
+                Ok(Ok(())) => return Ok((conn, opened)),
+                Ok(Err(_)) => self.discard(conn),
+                Err(_) => return Err(DbError::PoolTimedOut),
+            }
+        }
+    }
+
+    /// Closes a connection found dead instead of returning it to the pool, and makes its
+    /// siblings suspect.
+    pub(crate) fn discard(&self, mut conn: PoolConnection<sqlx::Postgres>) {
+        conn.close_on_drop();
+        drop(conn);
+        self.health.connection_lost();
     }
 
     /// Acquires a connection for the current request: the wait is bounded by the remaining
@@ -322,6 +508,9 @@ impl Db {
         let deadline = crate::context::deadline();
         if deadline.saturating_duration_since(Instant::now()) < MIN_STATEMENT_TIMEOUT {
             return Err(DbError::BudgetExhausted);
+        }
+        if self.health.is_known_down() {
+            return Err(DbError::KnownDown);
         }
         // The request's own deadline instant, not "now + what is left": a caller that bounds
         // this part by the same deadline (the fan-out does) then sees the pool's timeout fire
@@ -364,6 +553,18 @@ pub(crate) async fn set_statement_timeout(
 /// The `statement_timeout` for a budget, in whole milliseconds (never below the floor).
 pub(crate) fn statement_timeout_ms(budget: Duration) -> u128 {
     budget.as_millis().max(MIN_STATEMENT_TIMEOUT.as_millis())
+}
+
+/// An error and its causes on one line, for the health log (`error::chain` is a layer above).
+fn causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
 }
 
 /// Keeps the waiters gauge right even when an acquire is cancelled mid-wait.

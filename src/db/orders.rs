@@ -6,6 +6,8 @@
 //! ends, then finds the committed row and replays its stored response — so concurrent
 //! duplicates create exactly one order, and a crash mid-way leaves neither the order nor the key.
 
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sqlx::{Acquire, FromRow, PgConnection};
@@ -73,25 +75,22 @@ impl Db {
     /// The user's five most recent orders.
     pub(crate) async fn recent_orders(&self, user_id: i64) -> Result<Vec<OrderSummary>, DbError> {
         async {
-            let (mut conn, budget) = self.acquire_for_request().await?;
-            let _t = self.query_timer(Statement::RecentOrders);
-            // The hot path's one round trip: the budget-derived statement_timeout and the query
-            // travel in a single simple-protocol message, and the SET applies to the SELECT after
-            // it. Both values are integers formatted by Rust (user_id is a validated i64), so
-            // nothing from the request is ever spliced into SQL text.
-            let sql = format!(
-                "SET statement_timeout = {}; \
-                 SELECT id, status, total_cents, created_at FROM orders \
-                 WHERE user_id = {user_id} ORDER BY created_at DESC LIMIT 5",
-                super::statement_timeout_ms(budget)
-            );
-            let rows = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-                .fetch_all(&mut *conn)
-                .await?;
-            rows.iter()
-                .map(OrderSummary::from_row)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(DbError::Database)
+            let mut retried = false;
+            loop {
+                let (mut conn, budget) = self.acquire_for_request().await?;
+                let result = {
+                    let _t = self.query_timer(Statement::RecentOrders);
+                    recent_orders_on(&mut conn, user_id, budget).await
+                };
+                match result {
+                    // A read: always safe to run again.
+                    Err(e) if !retried && e.is_connection_lost() => {
+                        self.discard(conn);
+                        retried = true;
+                    }
+                    r => return r,
+                }
+            }
         }
         .instrument(span(Statement::RecentOrders))
         .await
@@ -100,27 +99,21 @@ impl Db {
     /// Reads one order with its items.
     pub(crate) async fn get_order(&self, id: i64) -> Result<Option<Order>, DbError> {
         async {
-            let (mut conn, budget) = self.acquire_for_request().await?;
-            super::set_statement_timeout(&mut conn, budget).await?;
-            let _t = self.query_timer(Statement::GetOrder);
-            let Some(head) = sqlx::query_as::<_, (i64, i64, String, i64, DateTime<Utc>)>(
-                "SELECT id, user_id, status, total_cents, created_at FROM orders WHERE id = $1",
-            )
-            .bind(id)
-            .fetch_optional(&mut *conn)
-            .await?
-            else {
-                return Ok(None);
-            };
-            let items = load_items(&mut conn, id).await?;
-            Ok(Some(Order {
-                id: head.0,
-                user_id: head.1,
-                status: head.2,
-                total_cents: head.3,
-                created_at: head.4,
-                items,
-            }))
+            let mut retried = false;
+            loop {
+                let (mut conn, budget) = self.acquire_for_request().await?;
+                let result = {
+                    let _t = self.query_timer(Statement::GetOrder);
+                    get_order_on(&mut conn, id, budget).await
+                };
+                match result {
+                    Err(e) if !retried && e.is_connection_lost() => {
+                        self.discard(conn);
+                        retried = true;
+                    }
+                    r => return r,
+                }
+            }
         }
         .instrument(span(Statement::GetOrder))
         .await
@@ -128,6 +121,10 @@ impl Db {
 
     /// Creates an order under an idempotency key in one transaction.
     /// `request_hash` identifies the request body (same key + same hash = replay).
+    ///
+    /// A transaction whose connection was lost before `COMMIT` was sent was rolled back by the
+    /// server, and is run once more on another connection; one lost at `COMMIT` may or may not
+    /// have committed, and is left to the client's retry under the same key.
     pub(crate) async fn create_order(
         &self,
         key: &str,
@@ -136,89 +133,179 @@ impl Db {
         total_cents: i64,
     ) -> Result<CreateOutcome, DbError> {
         async {
-            let (mut conn, budget) = self.acquire_for_request().await?;
-            super::set_statement_timeout(&mut conn, budget).await?;
-            let _t = self.query_timer(Statement::CreateOrder);
-            let mut tx = conn.begin().await?;
-            let claimed: Option<i32> = sqlx::query_scalar(
-                "INSERT INTO idempotency_keys (key, request_hash) VALUES ($1, $2) \
-                 ON CONFLICT (key) DO NOTHING RETURNING 1",
-            )
-            .bind(key)
-            .bind(request_hash)
-            .fetch_optional(&mut *tx)
-            .await?;
-            if claimed.is_none() {
-                // Someone committed this key first (we waited for them if they were mid-way).
-                let (hash, status, body): (Vec<u8>, Option<i16>, Option<String>) =
-                    sqlx::query_as(
-                        "SELECT request_hash, response_status, response_body \
-                         FROM idempotency_keys WHERE key = $1",
-                    )
-                    .bind(key)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                tx.rollback().await?;
-                return Ok(match (hash == request_hash, status, body) {
-                    (true, Some(status), Some(body)) => CreateOutcome::Replayed {
-                        status: status as u16,
-                        body,
-                    },
-                    (true, _, _) => {
-                        return Err(DbError::Database(sqlx::Error::Protocol(
-                            "idempotency key committed without a response".into(),
-                        )));
+            let mut retried = false;
+            loop {
+                let (mut conn, budget) = self.acquire_for_request().await?;
+                let result = {
+                    let _t = self.query_timer(Statement::CreateOrder);
+                    create_order_on(&mut conn, budget, key, request_hash, order, total_cents).await
+                };
+                match result {
+                    Err(Failed::BeforeCommit(e)) if !retried && e.is_connection_lost() => {
+                        self.discard(conn);
+                        retried = true;
                     }
-                    (false, _, _) => CreateOutcome::Conflict,
-                });
+                    Err(Failed::BeforeCommit(e) | Failed::AtCommit(e)) => return Err(e),
+                    Ok(outcome) => return Ok(outcome),
+                }
             }
-            let (id, status, created_at): (i64, String, DateTime<Utc>) = sqlx::query_as(
-                "INSERT INTO orders (user_id, total_cents) VALUES ($1, $2) \
-                 RETURNING id, status, created_at",
-            )
-            .bind(order.user_id)
-            .bind(total_cents)
-            .fetch_one(&mut *tx)
-            .await?;
-            let skus: Vec<&str> = order.items.iter().map(|i| i.sku.as_str()).collect();
-            let quantities: Vec<i32> = order.items.iter().map(|i| i.quantity).collect();
-            let prices: Vec<i64> = order.items.iter().map(|i| i.unit_price_cents).collect();
-            sqlx::query(
-                "INSERT INTO order_items (order_id, line_no, sku, quantity, unit_price_cents) \
-                 SELECT $1, t.ord, t.sku, t.quantity, t.price \
-                 FROM unnest($2::text[], $3::int4[], $4::int8[]) WITH ORDINALITY \
-                      AS t(sku, quantity, price, ord)",
-            )
-            .bind(id)
-            .bind(&skus)
-            .bind(&quantities)
-            .bind(&prices)
-            .execute(&mut *tx)
-            .await?;
-            let body = serde_json::to_string(&Order {
-                id,
-                user_id: order.user_id,
-                status,
-                total_cents,
-                created_at,
-                items: order.items.clone(),
-            })
-            .map_err(|e| DbError::Database(sqlx::Error::Encode(Box::new(e))))?;
-            sqlx::query(
-                "UPDATE idempotency_keys SET order_id = $2, response_status = 201, response_body = $3 \
-                 WHERE key = $1",
-            )
-            .bind(key)
-            .bind(id)
-            .bind(&body)
-            .execute(&mut *tx)
-            .await?;
-            tx.commit().await?;
-            Ok(CreateOutcome::Created { body })
         }
         .instrument(span(Statement::CreateOrder))
         .await
     }
+}
+
+async fn recent_orders_on(
+    conn: &mut PgConnection,
+    user_id: i64,
+    budget: Duration,
+) -> Result<Vec<OrderSummary>, DbError> {
+    // The hot path's one round trip: the budget-derived statement_timeout and the query
+    // travel in a single simple-protocol message, and the SET applies to the SELECT after
+    // it. Both values are integers formatted by Rust (user_id is a validated i64), so
+    // nothing from the request is ever spliced into SQL text.
+    let sql = format!(
+        "SET statement_timeout = {}; \
+         SELECT id, status, total_cents, created_at FROM orders \
+         WHERE user_id = {user_id} ORDER BY created_at DESC LIMIT 5",
+        super::statement_timeout_ms(budget)
+    );
+    let rows = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .fetch_all(&mut *conn)
+        .await?;
+    rows.iter()
+        .map(OrderSummary::from_row)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(DbError::Database)
+}
+
+async fn get_order_on(
+    conn: &mut PgConnection,
+    id: i64,
+    budget: Duration,
+) -> Result<Option<Order>, DbError> {
+    super::set_statement_timeout(conn, budget).await?;
+    let Some(head) = sqlx::query_as::<_, (i64, i64, String, i64, DateTime<Utc>)>(
+        "SELECT id, user_id, status, total_cents, created_at FROM orders WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?
+    else {
+        return Ok(None);
+    };
+    let items = load_items(conn, id).await?;
+    Ok(Some(Order {
+        id: head.0,
+        user_id: head.1,
+        status: head.2,
+        total_cents: head.3,
+        created_at: head.4,
+        items,
+    }))
+}
+
+/// Where the order transaction failed: only before `COMMIT` was sent is it known not to have
+/// happened.
+enum Failed {
+    BeforeCommit(DbError),
+    AtCommit(DbError),
+}
+
+impl From<DbError> for Failed {
+    fn from(e: DbError) -> Self {
+        Failed::BeforeCommit(e)
+    }
+}
+
+impl From<sqlx::Error> for Failed {
+    fn from(e: sqlx::Error) -> Self {
+        Failed::BeforeCommit(e.into())
+    }
+}
+
+async fn create_order_on(
+    conn: &mut PgConnection,
+    budget: Duration,
+    key: &str,
+    request_hash: &[u8],
+    order: &NewOrder,
+    total_cents: i64,
+) -> Result<CreateOutcome, Failed> {
+    super::set_statement_timeout(conn, budget).await?;
+    let mut tx = conn.begin().await?;
+    let claimed: Option<i32> = sqlx::query_scalar(
+        "INSERT INTO idempotency_keys (key, request_hash) VALUES ($1, $2) \
+         ON CONFLICT (key) DO NOTHING RETURNING 1",
+    )
+    .bind(key)
+    .bind(request_hash)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if claimed.is_none() {
+        // Someone committed this key first (we waited for them if they were mid-way).
+        let (hash, status, body): (Vec<u8>, Option<i16>, Option<String>) = sqlx::query_as(
+            "SELECT request_hash, response_status, response_body \
+             FROM idempotency_keys WHERE key = $1",
+        )
+        .bind(key)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.rollback().await?;
+        return match (hash == request_hash, status, body) {
+            (true, Some(status), Some(body)) => Ok(CreateOutcome::Replayed {
+                status: status as u16,
+                body,
+            }),
+            (true, _, _) => Err(Failed::BeforeCommit(DbError::Database(
+                sqlx::Error::Protocol("idempotency key committed without a response".into()),
+            ))),
+            (false, _, _) => Ok(CreateOutcome::Conflict),
+        };
+    }
+    let (id, status, created_at): (i64, String, DateTime<Utc>) = sqlx::query_as(
+        "INSERT INTO orders (user_id, total_cents) VALUES ($1, $2) \
+         RETURNING id, status, created_at",
+    )
+    .bind(order.user_id)
+    .bind(total_cents)
+    .fetch_one(&mut *tx)
+    .await?;
+    let skus: Vec<&str> = order.items.iter().map(|i| i.sku.as_str()).collect();
+    let quantities: Vec<i32> = order.items.iter().map(|i| i.quantity).collect();
+    let prices: Vec<i64> = order.items.iter().map(|i| i.unit_price_cents).collect();
+    sqlx::query(
+        "INSERT INTO order_items (order_id, line_no, sku, quantity, unit_price_cents) \
+         SELECT $1, t.ord, t.sku, t.quantity, t.price \
+         FROM unnest($2::text[], $3::int4[], $4::int8[]) WITH ORDINALITY \
+              AS t(sku, quantity, price, ord)",
+    )
+    .bind(id)
+    .bind(&skus)
+    .bind(&quantities)
+    .bind(&prices)
+    .execute(&mut *tx)
+    .await?;
+    let body = serde_json::to_string(&Order {
+        id,
+        user_id: order.user_id,
+        status,
+        total_cents,
+        created_at,
+        items: order.items.clone(),
+    })
+    .map_err(|e| DbError::Database(sqlx::Error::Encode(Box::new(e))))?;
+    sqlx::query(
+        "UPDATE idempotency_keys SET order_id = $2, response_status = 201, response_body = $3 \
+         WHERE key = $1",
+    )
+    .bind(key)
+    .bind(id)
+    .bind(&body)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await.map_err(|e| Failed::AtCommit(e.into()))?;
+    Ok(CreateOutcome::Created { body })
 }
 
 async fn load_items(conn: &mut PgConnection, order_id: i64) -> Result<Vec<NewItem>, sqlx::Error> {

@@ -1,8 +1,13 @@
 //! Liveness, readiness and the Prometheus scrape endpoint.
 //!
 //! Liveness says only that the process serves HTTP; restarting a gateway because its database
-//! is down would not bring the database back. Readiness says whether this replica should get
-//! traffic: the database answers, migrations are applied, and admission is not shedding heavily.
+//! is down would not bring the database back. Readiness says whether *this replica* can serve:
+//! it is not draining, its code matches the schema (no migration of this binary pending), and,
+//! with `admission.shedding_turns_unready`, admission is not shedding heavily. It does not require the database: every replica shares
+//! it, the dashboard degrades without it, and a readiness that followed it would take the whole
+//! fleet out of the load balancer during an outage, so that the degraded page is never served.
+//! The database's state is in the body (a fixed word, never the driver's error, which is
+//! logged once when the state changes) and in `tributary_db_up`.
 
 use axum::{
     Json,
@@ -13,21 +18,22 @@ use axum::{
 use serde_json::json;
 
 use super::AppState;
+use crate::db::DbState;
 
 pub(super) async fn healthz() -> impl IntoResponse {
     Json(json!({ "status": "ok" }))
 }
 
 pub(super) async fn readyz(State(state): State<AppState>) -> Response {
-    let database = state.db.is_ready().await;
+    let database = state.db.readiness().await;
     let shedding = state.admission.as_ref().is_some_and(|a| a.is_shedding());
     let draining = state.draining.load(std::sync::atomic::Ordering::Relaxed);
     // Shedding is reported either way; it makes the replica unready only when configured to.
     let shed_out = shedding && state.settings.admission.shedding_turns_unready;
-    let ready = database.is_ok() && !shed_out && !draining;
+    let ready = database != DbState::MigrationsPending && !shed_out && !draining;
     let body = json!({
         "status": if ready { "ready" } else { "not ready" },
-        "database": match &database { Ok(()) => "ok".to_owned(), Err(e) => e.clone() },
+        "database": database.as_str(),
         "shedding": shedding,
         "draining": draining,
     });

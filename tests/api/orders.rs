@@ -300,3 +300,34 @@ async fn two_idempotency_keys_are_refused_and_whitespace_around_one_is_not_part_
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     assert_eq!(orders_of(&app, 6).await, 1);
 }
+
+#[tokio::test]
+async fn a_database_that_refuses_the_gateways_role_makes_orders_503_and_readyz_keeps_it_quiet() {
+    let app = spawn_app_with(|s| {
+        let mut url = reqwest::Url::parse(s.database.url.expose()).unwrap();
+        url.set_username("tributary_no_such_role").unwrap();
+        s.database.url = tributary::config::Secret::new(url.to_string());
+        s.database.run_migrations = false;
+    })
+    .await;
+
+    let resp = app.get("/api/v1/orders/1").await;
+    assert!(
+        resp.headers().contains_key("retry-after"),
+        "{:?}",
+        resp.headers()
+    );
+    let (status, body) = problem(resp).await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["type"], "/problems/unavailable");
+    let (status, _) = problem(app.post_order(Some("k-role"), &order(1)).await).await;
+    assert_eq!(status, 503);
+
+    // Readiness says the database is unavailable, not what the server said about the role.
+    let resp = app.get("/readyz").await;
+    let text = resp.text().await.unwrap();
+    let ready: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(ready["database"], "unavailable", "{text}");
+    assert!(!text.contains("tributary_no_such_role"), "{text}");
+    assert!(!text.contains("role"), "{text}");
+}

@@ -20,7 +20,7 @@ use crate::{
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_database_outage_turns_readiness_off_and_degrades_recent_orders_until_it_comes_back() {
+async fn a_database_outage_keeps_readiness_on_and_fails_recent_orders_fast_until_it_comes_back() {
     let _serial = serial().await;
     let proxy = ChaosProxy::start(postgres_addr()).await;
     let app = spawn_app_behind(&proxy, |s| {
@@ -34,30 +34,122 @@ async fn a_database_outage_turns_readiness_off_and_degrades_recent_orders_until_
 
     proxy.cut();
 
+    // The replica still serves (degraded): readiness stays on and says what is down.
+    let (_, body) = app.dashboard(1).await;
+    assert!(body["recent_orders"].is_null(), "{body}");
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            let ready: Value = app.get("/readyz").await.json().await.unwrap();
+            ready["database"] == "unavailable"
+        })
+        .await,
+        "readiness never noticed the outage"
+    );
     let resp = app.get("/readyz").await;
-    assert_eq!(resp.status(), 503);
+    assert_eq!(resp.status(), 200);
     let ready: Value = resp.json().await.unwrap();
-    assert_ne!(ready["database"], "ok", "{ready}");
+    assert_eq!(ready["status"], "ready", "{ready}");
+    // While the database is known down, its part is not tried at all: it fails at once
+    // (counted as circuit_open), instead of each dashboard waiting for the pool.
+    let not_tried = || {
+        app.metric(
+            "tributary_fanout_degraded_total",
+            &[("part", "recent_orders"), ("reason", "circuit_open")],
+        )
+    };
+    let before = not_tried().await;
     let (status, body) = app.dashboard(1).await;
     assert_eq!(status, 200, "{body}");
     assert!(body["recent_orders"].is_null(), "{body}");
     assert_eq!(degraded(&body), ["recent_orders"]);
     assert_eq!(body["profile"]["service"], "users");
+    assert!(not_tried().await > before, "the database part was tried");
 
     proxy.restore();
 
     // Same gateway, same pool: it reconnects on its own.
     assert!(
         eventually(Duration::from_secs(10), || async {
-            app.get("/readyz").await.status() == 200
+            let ready: Value = app.get("/readyz").await.json().await.unwrap();
+            ready["database"] == "ok"
         })
         .await,
-        "readiness did not come back"
+        "the database's state did not come back"
     );
     let (status, body) = app.dashboard(1).await;
     assert_eq!(status, 200);
     assert_eq!(degraded(&body), Vec::<String>::new());
     assert_eq!(body["recent_orders"].as_array().map(Vec::len), Some(3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orders_after_the_database_dropped_every_pooled_connection_succeed_on_fresh_ones() {
+    let _serial = serial().await;
+    let app = spawn_app_with(|s| {
+        s.database.max_connections = nz32(4);
+    })
+    .await;
+    // Arrange: the pool holds several connections (concurrent orders each take one), then the
+    // server ends them all, as a restart does, and nothing has used one since.
+    let keys: Vec<(String, Value)> = (1..=4).map(|i| (format!("warm-{i}"), order(i))).collect();
+    let warm = join_all(
+        keys.iter()
+            .map(|(key, body)| app.post_order(Some(key), body)),
+    )
+    .await;
+    for resp in warm {
+        assert_eq!(resp.status(), 201);
+    }
+    let created = app.post_order(Some("warm-read"), &order(9)).await;
+    let id = created.json::<Value>().await.unwrap()["id"].clone();
+    let pooled = terminate_gateway_connections(&app).await;
+    assert!(pooled >= 1, "the pool held no connection");
+
+    // Act and assert: more orders than there were dead connections, each created.
+    for i in 0..=pooled {
+        let (key, body) = (format!("after-{i}"), order(20 + i));
+        let resp = app.post_order(Some(&key), &body).await;
+        let status = resp.status();
+        assert_eq!(status, 201, "order {i}: {}", resp.text().await.unwrap());
+    }
+    // And a read, after the same again.
+    terminate_gateway_connections(&app).await;
+    let resp = app.get(&format!("/api/v1/orders/{id}")).await;
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orders_while_the_database_is_down_are_503_with_retry_after_never_500() {
+    let _serial = serial().await;
+    let proxy = ChaosProxy::start(postgres_addr()).await;
+    let app = spawn_app_behind(&proxy, |s| {
+        s.database.acquire_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let created = app.post_order(Some("before"), &order(1)).await;
+    assert_eq!(created.status(), 201);
+    let id = created.json::<Value>().await.unwrap()["id"].clone();
+
+    proxy.cut();
+
+    for (what, resp) in [
+        ("create", app.post_order(Some("during"), &order(2)).await),
+        ("read", app.get(&format!("/api/v1/orders/{id}")).await),
+        (
+            "create again",
+            app.post_order(Some("during"), &order(2)).await,
+        ),
+    ] {
+        assert!(
+            resp.headers().contains_key("retry-after"),
+            "{what}: {:?}",
+            resp.headers()
+        );
+        let (status, body) = problem(resp).await;
+        assert_eq!(status, 503, "{what}: {body}");
+        assert_eq!(body["type"], "/problems/unavailable", "{what}");
+    }
+    proxy.restore();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -281,6 +373,33 @@ async fn gateway_queries(app: &TestApp, wait: &str) -> i64 {
     .fetch_one(&app.db)
     .await
     .unwrap()
+}
+
+/// Ends every connection of this test's gateway to its own database from the server's side, as
+/// a restart does, and waits until they are gone; returns how many there were.
+async fn terminate_gateway_connections(app: &TestApp) -> i64 {
+    let ended: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = $1 AND application_name = 'tributary'",
+    )
+    .bind(&app.db_name)
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    let gone = eventually(Duration::from_secs(5), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = $1 AND application_name = 'tributary'",
+        )
+        .bind(&app.db_name)
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+            == 0
+    })
+    .await;
+    assert!(gone, "the server kept the gateway's connections");
+    ended.len() as i64
 }
 
 /// What one retrying client ended with.
