@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use figment::{
     Figment,
-    error::{Actual, Kind},
+    error::Kind,
     providers::{Format, Serialized, Toml},
     value::{Dict, Value},
 };
@@ -229,35 +229,54 @@ fn remove(dict: &mut Dict, path: &[String]) -> bool {
     }
 }
 
-/// One problem as `path: what is wrong`. A string that was the wrong type is shown with any
-/// URL password in it masked: the message goes to a terminal or a log.
+/// One problem as `path: what is wrong`, with the credentials of any URL in it masked: the
+/// message goes to a terminal or a log, and the value a setting rejects can be anything —
+/// a URL put where a number, an address or a header name belongs, one that does not parse.
 fn describe(e: &figment::Error) -> String {
-    let kind = match &e.kind {
-        Kind::InvalidType(Actual::Str(v), expected) => {
-            Kind::InvalidType(Actual::Str(mask_password(v)), expected.clone()).to_string()
-        }
-        Kind::InvalidValue(Actual::Str(v), expected) => {
-            Kind::InvalidValue(Actual::Str(mask_password(v)), expected.clone()).to_string()
-        }
-        other => other.to_string(),
-    };
     let path = e.path.join(".");
-    if path.is_empty() {
-        kind
+    let message = if path.is_empty() {
+        e.kind.to_string()
     } else {
-        format!("{path}: {kind}")
-    }
+        format!("{path}: {}", e.kind)
+    };
+    mask_userinfo(&message)
 }
 
-/// `value` with the password of a URL replaced by `***` (unchanged when it holds none).
-fn mask_password(value: &str) -> String {
-    match url::Url::parse(value) {
-        Ok(mut url) if url.password().is_some() => {
-            let _ = url.set_password(Some("***"));
-            url.to_string()
+/// `text` with the userinfo of every `scheme://userinfo@host` in it masked: a password
+/// becomes `***` (`postgres://app:***@db/app`), and so does a userinfo without one, which
+/// is often a token (`https://***@host`). It works on the text, so it also masks a URL that
+/// does not parse (a bad port, say).
+pub(crate) fn mask_userinfo(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (head, tail) = rest.split_at(at + 3);
+        out.push_str(head);
+        // The authority ends where the path, query or fragment begins, or the URL does.
+        let end = tail
+            .find(|c: char| {
+                matches!(c, '/' | '?' | '#' | '"' | '\'' | '`' | ')' | ']' | ';')
+                    || c.is_whitespace()
+            })
+            .unwrap_or(tail.len());
+        let authority = &tail[..end];
+        match authority.rfind('@') {
+            Some(at) => {
+                match authority[..at].split_once(':') {
+                    Some((user, _)) => {
+                        out.push_str(user);
+                        out.push_str(":***");
+                    }
+                    None => out.push_str("***"),
+                }
+                out.push_str(&authority[at..]);
+            }
+            None => out.push_str(authority),
         }
-        _ => value.to_owned(),
+        rest = &tail[end..];
     }
+    out.push_str(rest);
+    out
 }
 
 #[cfg(test)]
@@ -281,5 +300,49 @@ mod tests {
         );
         assert!(err.contains("postgres://app:***@db/app"), "{err}");
         assert!(!err.contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn no_rejected_value_shows_a_url_password_whatever_the_setting() {
+        for (key, value) in [
+            // Does not parse as a URL (the port), so a URL parser cannot mask it.
+            (
+                "TRIBUTARY_DATABASE__MAX_CONNECTIONS",
+                "postgres://app:hunter2@db:99999/app",
+            ),
+            // Rejected by the setting's own type, whose message quotes the value.
+            (
+                "TRIBUTARY_RATE_LIMIT__TRUSTED_PROXIES",
+                "[\"redis://:hunter2@cache:6379\"]",
+            ),
+            (
+                "TRIBUTARY_TELEMETRY__LOG_FORMAT",
+                "https://user:hunter2@host/",
+            ),
+            (
+                "TRIBUTARY_DOWNSTREAMS__CARTS__BASE_URL",
+                "ftp://user:hunter2@carts",
+            ),
+            ("DATABASE_URL", "mysql://app:hunter2@db/app"),
+            ("TRIBUTARY_SERVER__LISTEN", "http://hunter2@0.0.0.0:8080"),
+        ] {
+            let err = Settings::load(&Sources {
+                file: None,
+                env: vec![(key.into(), value.into())],
+            })
+            .expect_err(key)
+            .to_string();
+            assert!(!err.contains("hunter2"), "{key}: {err}");
+        }
+    }
+
+    #[test]
+    fn userinfo_is_masked_in_any_text() {
+        assert_eq!(
+            mask_userinfo("bad `postgres://app:pw@db:99999/x` and https://tok@h/p?q=1"),
+            "bad `postgres://app:***@db:99999/x` and https://***@h/p?q=1"
+        );
+        assert_eq!(mask_userinfo("no url here"), "no url here");
+        assert_eq!(mask_userinfo("http://host:80/a@b"), "http://host:80/a@b");
     }
 }

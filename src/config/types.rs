@@ -152,7 +152,8 @@ pub(super) mod header_name {
 /// An absolute `http` or `https` URL with a host: a downstream's base URL, an OTLP endpoint.
 ///
 /// It prints (`Display`, `Debug`, `Serialize`) with the password of its userinfo replaced by
-/// `***`; [`HttpUrl::as_str`] is the URL to connect to.
+/// `***` (a user name without a password, often a token, as well); [`HttpUrl::as_str`] is
+/// the URL to connect to.
 #[derive(Clone, PartialEq, Eq)]
 pub struct HttpUrl(url::Url);
 
@@ -178,12 +179,17 @@ impl FromStr for HttpUrl {
 
 impl fmt::Display for HttpUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0.password().is_none() {
+        if self.0.password().is_none() && self.0.username().is_empty() {
             return f.write_str(self.0.as_str());
         }
         let mut shown = self.0.clone();
-        // Cannot fail: the URL has a host, so it can carry a password.
-        let _ = shown.set_password(Some("***"));
+        // Cannot fail: the URL has a host, so it can carry credentials. A user name without a
+        // password is masked too: it is often a token.
+        if shown.password().is_some() {
+            let _ = shown.set_password(Some("***"));
+        } else {
+            let _ = shown.set_username("***");
+        }
         f.write_str(shown.as_str())
     }
 }
@@ -365,6 +371,8 @@ mod tests {
         );
         let plain: HttpUrl = "http://users:9001".parse().unwrap();
         assert_eq!(plain.to_string(), "http://users:9001/");
+        let token: HttpUrl = "https://tok3n@collector:4318".parse().unwrap();
+        assert_eq!(token.to_string(), "https://***@collector:4318/");
     }
 
     #[test]
