@@ -70,6 +70,11 @@ pub(crate) enum ApiError {
     /// 504: the request deadline passed, or a required downstream timed out.
     #[error("gateway timeout")]
     GatewayTimeout,
+    /// 500: the database reported a fault of its own (not an outage: that is a 503). A value
+    /// of our own, not an `anyhow::Error`, so it captures no backtrace: with `RUST_BACKTRACE`
+    /// set, anyhow walks the stack for every error it wraps, on the request's worker.
+    #[error("database error")]
+    Database(#[source] DbError),
     /// 500: anything else; the cause is logged, never shown.
     #[error(transparent)]
     Internal(#[from] anyhow::Error),
@@ -91,7 +96,7 @@ impl From<DbError> for ApiError {
                 reason: "the database is unavailable",
                 retry_after: Duration::from_secs(2),
             },
-            DbError::Database(e) => ApiError::Internal(e.into()),
+            e @ DbError::Database(_) => ApiError::Database(e),
         }
     }
 }
@@ -110,7 +115,10 @@ impl ApiError {
     /// the access line and the metrics, and logging each at ERROR would flood the log exactly
     /// during the overload they report.
     pub(crate) fn is_unexpected(&self) -> bool {
-        matches!(self, ApiError::Internal(_) | ApiError::BadGateway { .. })
+        matches!(
+            self,
+            ApiError::Internal(_) | ApiError::Database(_) | ApiError::BadGateway { .. }
+        )
     }
 
     pub(crate) fn status(&self) -> StatusCode {
@@ -127,7 +135,7 @@ impl ApiError {
             ApiError::BadGateway { .. } => StatusCode::BAD_GATEWAY,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
-            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Database(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -192,7 +200,7 @@ impl ApiError {
                 Some("the request could not be answered within its deadline".into()),
                 None,
             ),
-            ApiError::Internal(_) => ("internal", None, None),
+            ApiError::Database(_) | ApiError::Internal(_) => ("internal", None, None),
         };
         Problem {
             kind: format!("/problems/{kind}"),
@@ -224,13 +232,19 @@ impl ApiError {
 }
 
 /// An error and all its causes on one line (`a: b: c`), for logs: reqwest and hyper keep the
-/// interesting part (connection refused, reset by peer) in the source chain.
+/// interesting part (connection refused, reset by peer) in the source chain. Each part is its
+/// `Display`, never its `Debug`, which for an `anyhow::Error` is a whole backtrace when
+/// `RUST_BACKTRACE` is set; a cause that only repeats the end of what is already written (sqlx
+/// writes the server's message in the error and again in its source) is left out.
 pub(crate) fn chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
+        let text = cause.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
         source = cause.source();
     }
     out
@@ -287,6 +301,75 @@ mod tests {
         let text = String::from_utf8(body.to_vec()).unwrap();
         assert!(!text.contains("hunter2"), "{text}");
         assert!(text.contains("\"status\":500"));
+    }
+
+    /// The backtrace anyhow captured for this error, if any.
+    fn captured_backtrace(e: &ApiError) -> Option<&std::backtrace::Backtrace> {
+        match e {
+            ApiError::Internal(e) => Some(e.backtrace())
+                .filter(|b| b.status() == std::backtrace::BacktraceStatus::Captured),
+            _ => None,
+        }
+    }
+
+    #[test]
+    #[ignore = "run by the next test, in a process of its own with RUST_LIB_BACKTRACE=1"]
+    fn with_backtraces_on_a_database_fault_captures_none_and_no_error_line_prints_one() {
+        assert_eq!(
+            std::env::var("RUST_LIB_BACKTRACE").as_deref(),
+            Ok("1"),
+            "run with RUST_LIB_BACKTRACE=1"
+        );
+        let fault = ApiError::from(DbError::Database(sqlx::Error::Protocol(
+            "unexpected message".into(),
+        )));
+        assert_eq!(fault.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(fault.is_unexpected());
+        assert!(
+            captured_backtrace(&fault).is_none(),
+            "an expected failure captured a backtrace"
+        );
+        assert_eq!(
+            chain(&fault),
+            "database error: encountered unexpected or invalid data: unexpected message"
+        );
+        // A truly internal error may carry one, but its log line never prints it.
+        let internal = ApiError::Internal(anyhow::anyhow!("boom"));
+        assert!(captured_backtrace(&internal).is_some(), "backtraces are on");
+        assert_eq!(chain(&internal), "boom");
+    }
+
+    #[test]
+    fn expected_errors_capture_no_backtrace_even_with_backtraces_on() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "error::tests::with_backtraces_on_a_database_fault_captures_none_and_no_error_line_prints_one",
+                "--exact",
+                "--ignored",
+            ])
+            .env("RUST_LIB_BACKTRACE", "1")
+            .output()
+            .expect("the test binary runs");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    #[test]
+    fn a_cause_that_repeats_its_error_is_written_once() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("error returned from database: {0}")]
+        struct Outer(#[source] Inner);
+        #[derive(Debug, thiserror::Error)]
+        #[error("relation \"x\" does not exist")]
+        struct Inner;
+        assert_eq!(
+            chain(&Outer(Inner)),
+            "error returned from database: relation \"x\" does not exist"
+        );
     }
 
     #[test]
