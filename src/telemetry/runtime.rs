@@ -11,7 +11,9 @@
 //!   worker longer than `telemetry.long_poll_threshold` (a blocking call, a lock held around
 //!   slow work, a CPU-heavy loop) is counted and logged *inside the request's span*, so the
 //!   offending route and request can be found;
-//! - process CPU, memory and file descriptors, read from `/proc` on a plain thread.
+//! - process CPU, memory, threads and file descriptors, read from `/proc` on a plain thread, in
+//!   the system's own units: the page size and clock tick come from the process's auxiliary
+//!   vector (what `sysconf` reads), not assumed to be 4 KiB and 100 Hz.
 
 use std::{
     future::Future,
@@ -73,6 +75,8 @@ pub(crate) const CPU_SECONDS: Family = Family::counter(
     "Total user and system CPU time spent in seconds.",
 )
 .in_unit(Unit::Seconds);
+pub(crate) const THREADS: Family =
+    Family::gauge("process_threads", "Number of OS threads in the process.");
 pub(crate) const OPEN_FDS: Family =
     Family::gauge("process_open_fds", "Number of open file descriptors.");
 pub(crate) const MAX_FDS: Family = Family::gauge(
@@ -101,6 +105,7 @@ pub(crate) const FAMILIES: &[Family] = &[
     SCHEDULING_LAG,
     RESIDENT_MEMORY,
     CPU_SECONDS,
+    THREADS,
     OPEN_FDS,
     MAX_FDS,
     START_TIME,
@@ -250,32 +255,29 @@ pub(super) fn spawn_process_sampler() -> std::io::Result<()> {
 mod process {
     use std::time::Duration;
 
-    use super::{CPU_SECONDS, MAX_FDS, OPEN_FDS, RESIDENT_MEMORY, START_TIME};
+    use super::{CPU_SECONDS, MAX_FDS, OPEN_FDS, RESIDENT_MEMORY, START_TIME, THREADS};
 
     pub(super) fn sample_forever() {
         let rss = metrics::gauge!(RESIDENT_MEMORY.name);
         let cpu = metrics::counter!(CPU_SECONDS.name);
+        let threads = metrics::gauge!(THREADS.name);
         let fds = metrics::gauge!(OPEN_FDS.name);
         let max_fds = metrics::gauge!(MAX_FDS.name);
         let start = metrics::gauge!(START_TIME.name);
-        let ticks = 100.0; // USER_HZ on Linux
-        let page = 4096.0;
+        let units = Units::of_this_system();
         let boot = boot_time();
         loop {
-            if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
-                // Fields after the command name, which is in parentheses and may contain spaces.
-                if let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) {
-                    let f: Vec<&str> = rest.split_whitespace().collect();
-                    let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-                    // rest starts at field 3 (state): utime=14, stime=15, starttime=22, rss=24.
-                    // A Prometheus counter through the `metrics` facade is an integer: whole
-                    // CPU seconds, which is what rate() over minutes needs.
-                    let total_ticks = num(11) + num(12);
-                    cpu.absolute((total_ticks as f64 / ticks) as u64);
-                    rss.set(num(21) as f64 * page);
-                    if let Some(boot) = boot {
-                        start.set(boot + num(19) as f64 / ticks);
-                    }
+            if let Some(stat) = std::fs::read_to_string("/proc/self/stat")
+                .ok()
+                .and_then(|text| Stat::parse(&text, units))
+            {
+                // A Prometheus counter through the `metrics` facade is an integer: whole CPU
+                // seconds, which is what rate() over minutes needs.
+                cpu.absolute(stat.cpu_seconds as u64);
+                rss.set(stat.resident_bytes);
+                threads.set(stat.threads);
+                if let Some(boot) = boot {
+                    start.set(boot + stat.started_after_boot_seconds);
                 }
             }
             if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
@@ -294,9 +296,123 @@ mod process {
         }
     }
 
+    /// The units `/proc/self/stat` counts in on this system.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub(super) struct Units {
+        /// Bytes per page (4 KiB on most x86 kernels; 16 or 64 KiB on some arm64 ones).
+        pub page_bytes: f64,
+        /// Clock ticks per second (`USER_HZ`).
+        pub ticks_per_second: f64,
+    }
+
+    /// `AT_PAGESZ` and `AT_CLKTCK` in the auxiliary vector.
+    const AT_PAGESZ: usize = 6;
+    const AT_CLKTCK: usize = 17;
+
+    impl Units {
+        /// Read from `/proc/self/auxv`, the values the kernel gave this process (the same that
+        /// `sysconf(_SC_PAGESIZE)` and `sysconf(_SC_CLK_TCK)` return, without `unsafe`); the
+        /// common values only if it cannot be read.
+        pub(super) fn of_this_system() -> Self {
+            let auxv = std::fs::read("/proc/self/auxv").unwrap_or_default();
+            Self::from_auxv(&auxv)
+        }
+
+        pub(super) fn from_auxv(auxv: &[u8]) -> Self {
+            let word = std::mem::size_of::<usize>();
+            let mut units = Units {
+                page_bytes: 4096.0,
+                ticks_per_second: 100.0,
+            };
+            let words: Vec<usize> = auxv
+                .chunks_exact(word)
+                .map(|c| usize::from_ne_bytes(c.try_into().expect("chunks of one word")))
+                .collect();
+            for pair in words.chunks_exact(2) {
+                match (pair[0], pair[1]) {
+                    (0, _) => break,
+                    (AT_PAGESZ, v) if v > 0 => units.page_bytes = v as f64,
+                    (AT_CLKTCK, v) if v > 0 => units.ticks_per_second = v as f64,
+                    _ => {}
+                }
+            }
+            units
+        }
+    }
+
+    /// What the sampler takes from `/proc/self/stat`.
+    #[derive(Debug, PartialEq)]
+    pub(super) struct Stat {
+        pub cpu_seconds: f64,
+        pub resident_bytes: f64,
+        pub threads: f64,
+        pub started_after_boot_seconds: f64,
+    }
+
+    impl Stat {
+        pub(super) fn parse(stat: &str, units: Units) -> Option<Self> {
+            // Fields after the command name, which is in parentheses and may contain spaces.
+            let rest = stat.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            // rest starts at field 3 (state): utime=14, stime=15, num_threads=20,
+            // starttime=22, rss=24 (proc(5)).
+            Some(Self {
+                cpu_seconds: (num(11) + num(12)) as f64 / units.ticks_per_second,
+                resident_bytes: num(21) as f64 * units.page_bytes,
+                threads: num(17) as f64,
+                started_after_boot_seconds: num(19) as f64 / units.ticks_per_second,
+            })
+        }
+    }
+
     fn boot_time() -> Option<f64> {
         let stat = std::fs::read_to_string("/proc/stat").ok()?;
         let btime = stat.lines().find_map(|l| l.strip_prefix("btime "))?;
         btime.trim().parse().ok()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        fn getconf(name: &str) -> f64 {
+            let out = std::process::Command::new("getconf")
+                .arg(name)
+                .output()
+                .expect("getconf runs");
+            String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+        }
+
+        #[test]
+        fn the_page_size_and_clock_tick_are_the_systems() {
+            let units = Units::of_this_system();
+            assert_eq!(units.page_bytes, getconf("PAGESIZE"));
+            assert_eq!(units.ticks_per_second, getconf("CLK_TCK"));
+        }
+
+        #[test]
+        fn a_64_kib_page_system_reports_its_resident_memory_and_threads() {
+            let word = |v: usize| v.to_ne_bytes().to_vec();
+            let auxv: Vec<u8> = [word(AT_PAGESZ), word(65536), word(AT_CLKTCK), word(250)]
+                .concat()
+                .into_iter()
+                .chain(word(0))
+                .chain(word(0))
+                .collect();
+            let units = Units::from_auxv(&auxv);
+            // pid (comm with spaces) state ppid ... : utime 500, stime 250, 7 threads, rss 10.
+            let stat = "42 (a (b) c) S 1 42 42 0 -1 4194560 100 0 0 0 500 250 0 0 20 0 7 0 \
+                        1000 123456 10 18446744073709551615";
+            assert_eq!(
+                Stat::parse(stat, units),
+                Some(Stat {
+                    cpu_seconds: 3.0,
+                    resident_bytes: 10.0 * 65536.0,
+                    threads: 7.0,
+                    started_after_boot_seconds: 4.0,
+                })
+            );
+        }
     }
 }

@@ -178,6 +178,8 @@ async fn the_exposition_holds_exactly_the_catalogued_families_each_described() {
     )
     .unwrap();
     assert!(ok >= 4.0);
+    // The process's threads are counted (this test process runs several).
+    assert!(metric_value(&text, "process_threads", &[]).is_some_and(|n| n >= 2.0));
     // 1 ms and 1 s are both bucket boundaries.
     assert!(text.contains(r#"le="0.001""#) && text.contains(r#"le="1""#));
 }
