@@ -166,7 +166,7 @@ pub(crate) async fn dashboard(
     let mut degraded = Vec::new();
     let mut take = |part: Part, (r, d): Optional<Box<RawValue>>| {
         timings.parts.push((part, d));
-        r.map_err(|reason| degrade(&mut degraded, part, reason))
+        r.map_err(|reason| metrics.degrade(&mut degraded, part, reason))
             .ok()
     };
     let cart = take(Part::Cart, cart);
@@ -176,7 +176,7 @@ pub(crate) async fn dashboard(
     timings.parts.push((Part::RecentOrders, recent_orders.1));
     let recent_orders = recent_orders
         .0
-        .map_err(|reason| degrade(&mut degraded, Part::RecentOrders, reason))
+        .map_err(|reason| metrics.degrade(&mut degraded, Part::RecentOrders, reason))
         .ok();
 
     metrics.record(&timings);
@@ -195,16 +195,14 @@ pub(crate) async fn dashboard(
     ))
 }
 
-fn degrade(degraded: &mut Vec<&'static str>, part: Part, reason: Outcome) {
-    degraded.push(part.field());
-    metrics::counter!(DEGRADED.name, "part" => part.label(), "reason" => reason.as_str())
-        .increment(1);
-}
-
-/// The fan-out's per-request instruments, registered once.
+/// The fan-out's per-request instruments, registered once: every series exists from start-up
+/// at 0, so that `rate()` sees its first increase.
 pub(crate) struct FanoutMetrics {
     /// By the part that was slowest, indexed by [`Part`].
     critical_path: [Counter; 6],
+    /// By optional part (indexed as [`Part::OPTIONAL`]) and reason (as [`Outcome::ALL`]; the
+    /// `ok` column is never used).
+    degraded: [[Counter; 6]; 5],
     overhead: Histogram,
 }
 
@@ -213,7 +211,31 @@ impl FanoutMetrics {
         Self {
             critical_path: Part::ALL
                 .map(|part| metrics::counter!(CRITICAL_PATH.name, "part" => part.label())),
+            degraded: Part::OPTIONAL.map(|part| {
+                Outcome::ALL.map(|reason| {
+                    if reason == Outcome::Ok {
+                        // Not a reason to degrade: a handle that is never registered.
+                        Counter::noop()
+                    } else {
+                        metrics::counter!(
+                            DEGRADED.name,
+                            "part" => part.label(),
+                            "reason" => reason.as_str()
+                        )
+                    }
+                })
+            }),
             overhead: metrics::histogram!(GATEWAY_OVERHEAD.name),
+        }
+    }
+
+    /// An optional part is null: listed in `degraded`, and counted.
+    fn degrade(&self, degraded: &mut Vec<&'static str>, part: Part, reason: Outcome) {
+        degraded.push(part.field());
+        let row = Part::OPTIONAL.iter().position(|p| *p == part);
+        let column = Outcome::ALL.iter().position(|o| *o == reason);
+        if let (Some(row), Some(column)) = (row, column) {
+            self.degraded[row][column].increment(1);
         }
     }
 

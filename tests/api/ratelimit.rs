@@ -544,3 +544,51 @@ async fn the_gateway_starts_and_limits_locally_when_redis_is_down_from_the_start
     assert!(tally.allowed >= 2 && tally.limited >= 1, "{tally:?}");
     assert!(unavailable(&app.metrics().await) > before);
 }
+
+#[tokio::test]
+async fn a_fresh_gateway_exports_its_labelled_counters_at_zero() {
+    let app = spawn_app_with(|s| {
+        limit(s, 100, 100);
+        s.rate_limit.redis_url = Some(tributary::config::Secret::new(SHARED_REDIS));
+    })
+    .await;
+    // Nothing has been rejected, fallen back or degraded yet: the series exist anyway, so
+    // that rate() sees their first increase and dashboards show 0, not "no data".
+    let text = app.metrics().await;
+    let mut missing = Vec::new();
+    for (name, labels) in [
+        (
+            "tributary_ratelimit_rejections_total",
+            vec![("backend", "local")],
+        ),
+        (
+            "tributary_ratelimit_rejections_total",
+            vec![("backend", "redis")],
+        ),
+        (
+            "tributary_ratelimit_redis_fallbacks_total",
+            vec![("reason", "timeout")],
+        ),
+        (
+            "tributary_fanout_degraded_total",
+            vec![("part", "recent_orders"), ("reason", "circuit_open")],
+        ),
+        (
+            "tributary_fanout_degraded_total",
+            vec![("part", "promotions"), ("reason", "timeout")],
+        ),
+        (
+            "tributary_fanout_critical_path_total",
+            vec![("part", "carts")],
+        ),
+        ("tributary_db_pool_acquire_timeouts_total", vec![]),
+    ] {
+        if metric_value(&text, name, &labels).is_none() {
+            missing.push(format!("{name}{labels:?}"));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "not exported before their first increment: {missing:?}"
+    );
+}
