@@ -1,9 +1,13 @@
 //! The limit shared by every replica through Redis.
 //!
 //! With `redis_url` set, every decision is one `EVALSHA` of [`GCRA_SCRIPT`] (atomic in Redis,
-//! using Redis's clock so replicas with skewed clocks agree) on a connection from a deadpool-redis
-//! pool. The whole call — waiting for a pooled connection included — is bounded by
-//! `redis_timeout`. When it times out or fails, that request is decided by the local limiter,
+//! using Redis's clock so replicas with skewed clocks agree) on a connection from a deadpool
+//! pool: one round trip. The pool's manager ([`Connections`]) recycles a connection without
+//! asking Redis (deadpool-redis's own sends a `PING` on every checkout, a second round trip
+//! per decision): a connection that failed is marked and dropped at its next checkout, and a
+//! decision whose connection turns out dead (Redis restarted) is tried again on another one,
+//! which costs no wait, since a dead connection fails at once. The whole call — waiting for a
+//! pooled connection included — is bounded by `redis_timeout`. When it times out or fails, that request is decided by the local limiter,
 //! `tributary_ratelimit_redis_fallbacks_total{reason}` counts it, and Redis is marked down:
 //! following requests go straight to the local limiter (`reason="unavailable"`) without paying
 //! the timeout, while one background task probes Redis every [`REDIS_RETRY_EVERY`] and marks it
@@ -24,10 +28,8 @@ use std::{
 };
 
 use anyhow::Context as _;
-use deadpool_redis::{
-    Pool, PoolConfig, Runtime,
-    redis::{self, Script},
-};
+use deadpool::managed;
+use deadpool_redis::redis::{self, RedisError, Script, aio::MultiplexedConnection};
 use metrics::{Counter, Histogram};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -128,6 +130,45 @@ impl Fallback {
     }
 }
 
+/// deadpool's pool of multiplexed Redis connections, managed by [`Connections`].
+type Pool = managed::Pool<Connections>;
+
+/// Opens connections, and recycles them without a round trip: a connection is reused unless a
+/// command on it failed in a way that leaves it unusable.
+pub(super) struct Connections {
+    client: redis::Client,
+}
+
+/// A pooled connection and whether it failed.
+pub(super) struct Tracked {
+    conn: MultiplexedConnection,
+    broken: bool,
+}
+
+impl managed::Manager for Connections {
+    type Type = Tracked;
+    type Error = RedisError;
+
+    async fn create(&self) -> Result<Tracked, RedisError> {
+        Ok(Tracked {
+            conn: self.client.get_multiplexed_async_connection().await?,
+            broken: false,
+        })
+    }
+
+    async fn recycle(
+        &self,
+        conn: &mut Tracked,
+        _: &managed::Metrics,
+    ) -> managed::RecycleResult<RedisError> {
+        if conn.broken {
+            Err(managed::RecycleError::message("the connection failed"))
+        } else {
+            Ok(())
+        }
+    }
+}
+
 /// The Redis side: pool, script, and whether Redis is currently believed to be up.
 pub(super) struct SharedLimit {
     pool: Pool,
@@ -151,12 +192,12 @@ impl SharedLimit {
         burst: u32,
         shutdown: CancellationToken,
     ) -> anyhow::Result<Arc<Self>> {
-        let mut config = deadpool_redis::Config::from_url(url.expose());
-        config.pool = Some(PoolConfig::new(settings.redis_pool_size.get()));
         // Only a malformed URL fails here; nothing is connected yet.
-        let pool = config
-            .create_pool(Some(Runtime::Tokio1))
-            .context("rate_limit.redis_url")?;
+        let client = redis::Client::open(url.expose()).context("rate_limit.redis_url")?;
+        let pool = Pool::builder(Connections { client })
+            .max_size(settings.redis_pool_size.get())
+            .build()
+            .context("rate_limit.redis_pool_size")?;
         let addr = reqwest::Url::parse(url.expose())
             .ok()
             .map(|u| {
@@ -227,14 +268,30 @@ impl SharedLimit {
     }
 
     async fn eval(&self, key: &ClientKey) -> anyhow::Result<Verdict> {
-        let mut conn = self.pool.get().await?;
-        let (allowed, remaining, retry_us, reset_us): (i64, i64, i64, i64) = self
-            .script
-            .key(key.redis_key())
-            .arg(self.period_us)
-            .arg(self.burst)
-            .invoke_async(&mut conn)
-            .await?;
+        // Every pooled connection may have died at once (a Redis restart): each fails at
+        // once, is dropped, and the next is tried; a fresh one ends the loop.
+        let mut attempts = self.pool.status().max_size + 1;
+        let (allowed, remaining, retry_us, reset_us): (i64, i64, i64, i64) = loop {
+            let mut conn = self.pool.get().await?;
+            let answer = self
+                .script
+                .key(key.redis_key())
+                .arg(self.period_us)
+                .arg(self.burst)
+                .invoke_async(&mut conn.conn)
+                .await;
+            match answer {
+                Ok(answer) => break answer,
+                Err(e) if e.is_unrecoverable_error() => {
+                    conn.broken = true;
+                    attempts -= 1;
+                    if attempts == 0 {
+                        return Err(e.into());
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
         let micros = |v: i64| Duration::from_micros(u64::try_from(v).unwrap_or(0));
         Ok(Verdict {
             allowed: allowed == 1,
@@ -251,16 +308,25 @@ impl SharedLimit {
         let mut conn = tokio::time::timeout(REDIS_CONNECT_TIMEOUT, self.pool.get())
             .await
             .context("timed out connecting")??;
-        tokio::time::timeout(REDIS_CONNECT_TIMEOUT, self.script.load_async(&mut conn))
+        let checked = async {
+            tokio::time::timeout(
+                REDIS_CONNECT_TIMEOUT,
+                self.script.load_async(&mut conn.conn),
+            )
             .await
             .context("timed out loading the script")??;
-        tokio::time::timeout(
-            self.timeout,
-            redis::cmd("PING").query_async::<String>(&mut conn),
-        )
-        .await
-        .context("PING slower than rate_limit.redis_timeout")??;
-        Ok(())
+            tokio::time::timeout(
+                self.timeout,
+                redis::cmd("PING").query_async::<String>(&mut conn.conn),
+            )
+            .await
+            .context("PING slower than rate_limit.redis_timeout")??;
+            anyhow::Ok(())
+        }
+        .await;
+        // A probe that failed leaves no suspect connection in the pool.
+        conn.broken = checked.is_err();
+        checked
     }
 
     fn mark_down(self: &Arc<Self>, reason: Fallback, detail: &str) {

@@ -592,3 +592,95 @@ async fn a_fresh_gateway_exports_its_labelled_counters_at_zero() {
         "not exported before their first increment: {missing:?}"
     );
 }
+
+/// Sends one inline command to the Redis on `port` and returns its reply, as text.
+async fn redis_command(port: u16, command: &str) -> String {
+    let mut conn = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    conn.write_all(format!("{command}\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        let n = conn.read(&mut buf).await.unwrap();
+        reply.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&reply);
+        // A bulk string (`$len\r\n...\r\n`) or a one-line reply.
+        let complete = match text.strip_prefix('$') {
+            Some(rest) => rest
+                .split_once("\r\n")
+                .is_some_and(|(len, body)| body.len() >= len.parse::<usize>().unwrap_or(0) + 2),
+            None => text.ends_with("\r\n"),
+        };
+        if n == 0 || complete {
+            return text.into_owned();
+        }
+    }
+}
+
+/// How many times Redis has run `command` (from `INFO commandstats`).
+async fn redis_calls(port: u16, command: &str) -> u64 {
+    let stats = redis_command(port, "INFO commandstats").await;
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_decision_is_one_round_trip_with_no_ping_per_checkout() {
+    let (_redis, port) = start_redis().await;
+    let app = spawn_app_with(|s| {
+        limit(s, 1000, 1000);
+        s.rate_limit.redis_url = Some(tributary::config::Secret::new(format!(
+            "redis://127.0.0.1:{port}"
+        )));
+    })
+    .await;
+    let pings_before = redis_calls(port, "ping").await;
+
+    let decisions = 50;
+    for _ in 0..decisions {
+        assert_eq!(as_client(&app, &unique_key()).await.status(), 200);
+    }
+
+    let scripts = redis_calls(port, "evalsha").await + redis_calls(port, "eval").await;
+    assert!(scripts >= decisions, "{scripts} decisions reached Redis");
+    let pings = redis_calls(port, "ping").await - pings_before;
+    assert!(
+        pings < 5,
+        "{pings} PINGs for {decisions} decisions: a checkout costs a round trip"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_go_on_through_redis_when_its_connections_were_killed() {
+    let (_redis, port) = start_redis().await;
+    let app = spawn_app_with(|s| {
+        limit(s, 1000, 1000);
+        s.rate_limit.redis_url = Some(tributary::config::Secret::new(format!(
+            "redis://127.0.0.1:{port}"
+        )));
+    })
+    .await;
+    // Several pooled connections, then Redis drops every client, as a restart does.
+    let warm = join_all((0..8).map(|_| as_client(&app, "warm"))).await;
+    assert!(warm.iter().all(|r| r.status() == 200));
+    let killed = redis_command(port, "CLIENT KILL TYPE normal").await;
+    assert!(killed.starts_with(':'), "{killed}");
+    let before = redis_calls(port, "evalsha").await;
+
+    for _ in 0..5 {
+        assert_eq!(as_client(&app, "after").await.status(), 200);
+    }
+
+    // (This Redis is the test's own: its counts are this gateway's alone. A decision that
+    // fell back would have marked Redis down, and the next ones would not have reached it.)
+    let decided = redis_calls(port, "evalsha").await - before;
+    assert!(
+        decided >= 5,
+        "{decided} of 5 decisions reached Redis after its connections were killed"
+    );
+}
