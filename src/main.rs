@@ -48,33 +48,85 @@ enum Command {
     },
     /// Recommend an admission limit and pool size from a target rate and latencies.
     Capacity {
-        #[arg(long)]
+        /// Target request rate for the whole fleet, requests per second.
+        #[arg(long, value_parser = positive)]
         target_rps: f64,
         /// Mean request latency in milliseconds at that rate.
-        #[arg(long)]
+        #[arg(long, value_parser = millis)]
         latency_ms: f64,
         /// Mean query latency in milliseconds.
-        #[arg(long, default_value_t = 2.0)]
+        #[arg(long, default_value_t = 2.0, value_parser = millis)]
         db_latency_ms: f64,
-        #[arg(long, default_value_t = 1.0)]
+        /// Queries per request (may be fractional: a mean).
+        #[arg(long, default_value_t = 1.0, value_parser = non_negative)]
         db_queries_per_request: f64,
-        #[arg(long, default_value_t = 1.5)]
+        /// Multiplier for latency variance and bursts; at least 1.
+        #[arg(long, default_value_t = 1.5, value_parser = headroom)]
         headroom: f64,
-        #[arg(long, default_value_t = 1)]
+        /// Replicas the rate is split across.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
         replicas: u32,
-        #[arg(long, default_value_t = 100)]
-        pg_max_connections: u32,
-        #[arg(long, default_value_t = 10)]
-        reserve: u32,
+        /// The Postgres server's max_connections; default: database.server_max_connections.
+        #[arg(long)]
+        pg_max_connections: Option<u32>,
+        /// Connections kept for admins and jobs; default: database.reserved_connections.
+        #[arg(long)]
+        reserve: Option<u32>,
     },
     /// Load and validate the configuration, print it (secrets masked) and exit.
     CheckConfig,
+}
+
+/// A finite number above zero.
+fn positive(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("must be a finite number above 0, not {s}"))
+    }
+}
+
+/// A finite number, zero or more.
+fn non_negative(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if v.is_finite() && v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("must be a finite number, 0 or more, not {s}"))
+    }
+}
+
+/// A latency in milliseconds: above zero and at most an hour.
+fn millis(s: &str) -> Result<f64, String> {
+    let v = positive(s)?;
+    if v <= 3_600_000.0 {
+        Ok(v)
+    } else {
+        Err(format!("must be at most 3600000 ms (an hour), not {s}"))
+    }
+}
+
+fn headroom(s: &str) -> Result<f64, String> {
+    let v = positive(s)?;
+    if v >= 1.0 {
+        Ok(v)
+    } else {
+        Err(format!("must be at least 1.0, not {s}"))
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let settings = match Settings::load(&Sources::from_process(cli.config.as_deref())) {
         Ok(s) => s,
+        // The arithmetic needs no configuration: an unrelated bad setting must not stop it.
+        Err(e) if matches!(cli.command, Some(Command::Capacity { .. })) => {
+            eprintln!(
+                "tributary: note: the configuration does not load ({e}); using the built-in defaults"
+            );
+            Settings::default()
+        }
         Err(e) => {
             eprintln!("tributary: {e}");
             return ExitCode::from(2);
@@ -106,11 +158,7 @@ fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
             pg_max_connections,
             reserve,
         } => {
-            anyhow::ensure!(
-                target_rps > 0.0 && latency_ms > 0.0,
-                "--target-rps and --latency-ms must be positive"
-            );
-            anyhow::ensure!(headroom >= 1.0, "--headroom must be at least 1.0");
+            let db = &settings.database;
             let input = CapacityInput {
                 target_rps,
                 request_latency: Duration::from_secs_f64(latency_ms / 1000.0),
@@ -118,8 +166,8 @@ fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
                 db_latency: Duration::from_secs_f64(db_latency_ms / 1000.0),
                 headroom,
                 replicas,
-                server_max_connections: pg_max_connections,
-                reserved_connections: reserve,
+                server_max_connections: pg_max_connections.unwrap_or(db.server_max_connections),
+                reserved_connections: reserve.unwrap_or(db.reserved_connections),
             };
             let recommendation = capacity::recommend(&input);
             print!("{}", capacity::Report::new(&input, &recommendation));

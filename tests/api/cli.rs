@@ -99,3 +99,77 @@ fn a_variable_that_names_no_setting_stops_start_up_with_the_closest_key() {
     );
     assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
 }
+
+#[test]
+fn capacity_refuses_bad_numbers_with_one_line_and_exit_2_never_a_panic() {
+    for bad in [
+        &[
+            "--target-rps",
+            "100",
+            "--latency-ms",
+            "100",
+            "--db-latency-ms=-1",
+        ][..],
+        &["--target-rps", "100", "--latency-ms", "1e30"],
+        &[
+            "--target-rps",
+            "100",
+            "--latency-ms",
+            "100",
+            "--replicas",
+            "0",
+        ],
+        &[
+            "--target-rps",
+            "100",
+            "--latency-ms",
+            "100",
+            "--db-queries-per-request=-2",
+        ],
+        &["--target-rps", "NaN", "--latency-ms", "100"],
+        &[
+            "--target-rps",
+            "100",
+            "--latency-ms",
+            "100",
+            "--headroom",
+            "0.5",
+        ],
+    ] {
+        let out = tributary(&[&["capacity"][..], bad].concat(), &[]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{bad:?}: {stderr}");
+        assert!(stderr.contains("invalid value"), "{bad:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{bad:?}: nothing on stdout");
+    }
+}
+
+#[test]
+fn capacity_runs_despite_an_unrelated_bad_setting_and_takes_the_pool_budget_from_the_settings() {
+    let out = tributary(
+        &["capacity", "--target-rps", "1000", "--latency-ms", "100"],
+        &[
+            ("TRIBUTARY_SERVER__LISTEN", "not an address"),
+            ("TRIBUTARY_DATABASE__SERVER_MAX_CONNECTIONS", "300"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("built-in defaults"), "{stderr}");
+    assert!(
+        stdout.contains("admission limit     = ceil(100.0 × 1.5) = 150"),
+        "{stdout}"
+    );
+
+    let out = tributary(
+        &["capacity", "--target-rps", "1000", "--latency-ms", "100"],
+        &[("TRIBUTARY_DATABASE__SERVER_MAX_CONNECTIONS", "300")],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("fleet ceiling       = (300 − 10) / 1 = 290 per replica"),
+        "the server's max_connections comes from the settings: {stdout}"
+    );
+}
