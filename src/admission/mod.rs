@@ -12,7 +12,7 @@
 //!   it settles where the core is just busy. A fixed 2,000 is ten times what one core carries,
 //!   and past that every admitted request queues for the CPU. `static` and `gradient2` remain;
 //! - **a "no" costs almost nothing and comes at once when waiting cannot help**: while the
-//!   runtime is saturated, or more requests already wait than the last interval released, a
+//!   runtime is saturated, or more requests already wait than the last `max_wait` released, a
 //!   request without a permit is turned away without arming a timer. The decision
 //!   ([`Limiter::try_admit`]) is synchronous, and the edge (`http::edge`) takes it before any
 //!   other work on the request;
@@ -241,7 +241,7 @@ pub(crate) struct Rejected {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Reason {
     /// No permit, and waiting could not help: no wait is configured, the runtime is
-    /// saturated, or more already wait than the last interval released.
+    /// saturated, or more already wait than the last `max_wait` released.
     Overloaded = 0,
     /// Waited `max_wait` for a permit without getting one.
     QueueTimeout = 1,
@@ -335,13 +335,16 @@ pub struct Limiter {
     max_wait: Duration,
     controller: Controller,
     queue_delay: QueueDelay,
-    /// Set at each control interval: more requests wait than the last interval released, so a
-    /// new one would time out anyway.
+    /// More requests waited than the last `max_wait` (at least one control interval) released,
+    /// so a new one would time out anyway. Judged once per such window; cleared as soon as
+    /// nobody waits.
     backed_up: AtomicBool,
-    /// This control interval: the most permits held at once, permits returned, and whether
-    /// anyone found no permit.
-    peak_in_flight: AtomicUsize,
+    /// Permits returned in the current window, and when the window started.
     released: AtomicU64,
+    window_started: Mutex<Instant>,
+    /// This control interval: the most permits held at once, and whether anyone found no
+    /// permit.
+    peak_in_flight: AtomicUsize,
     limited: AtomicBool,
     /// Completions since start, and an EWMA of completions per second, for `Retry-After`.
     completed: AtomicU64,
@@ -380,6 +383,7 @@ impl Limiter {
             backed_up: AtomicBool::new(false),
             peak_in_flight: AtomicUsize::new(0),
             released: AtomicU64::new(0),
+            window_started: Mutex::new(Instant::now()),
             limited: AtomicBool::new(false),
             completed: AtomicU64::new(0),
             drain_per_sec: Mutex::new((0, 0.0)),
@@ -495,10 +499,23 @@ impl Limiter {
     fn end_interval(&self, now: Instant) {
         let in_flight = self.in_flight();
         let peak = self.peak_in_flight.swap(in_flight, Ordering::Relaxed);
-        let released = self.released.swap(0, Ordering::Relaxed);
         let limited = self.limited.swap(false, Ordering::Relaxed);
-        self.backed_up
-            .store(self.waiting() as u64 > released, Ordering::Relaxed);
+        let waiting = self.waiting() as u64;
+        if waiting == 0 {
+            self.backed_up.store(false, Ordering::Relaxed);
+        }
+        let mut window = self
+            .window_started
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if now.saturating_duration_since(*window) + Duration::from_millis(1)
+            >= self.max_wait.max(CONTROL_INTERVAL)
+        {
+            *window = now;
+            let released = self.released.swap(0, Ordering::Relaxed);
+            self.backed_up.store(waiting > released, Ordering::Relaxed);
+        }
+        drop(window);
         if let Controller::QueueDelay(c) = &self.controller {
             let seen = Interval {
                 saturated: self.queue_delay.is_saturated(),
@@ -721,15 +738,19 @@ mod tests {
         };
         tokio::task::yield_now().await;
         assert_eq!(l.waiting(), 1);
-        // An interval in which nothing was released while someone waited.
-        l.end_interval(Instant::now());
+        let start = Instant::now();
+        // One control interval without a release is no evidence yet with a 1 s wait ...
+        l.end_interval(start + CONTROL_INTERVAL);
+        assert!(matches!(l.try_admit(), Decision::Wait));
+        // ... a whole max_wait is.
+        l.end_interval(start + Duration::from_secs(1));
         assert!(matches!(l.try_admit(), Decision::Rejected(_)));
         drop(held);
         assert!(
             waiter.await.unwrap(),
             "the one already waiting still gets the permit"
         );
-        l.end_interval(Instant::now());
+        l.end_interval(start + Duration::from_secs(2));
         assert!(!l.backed_up.load(Ordering::Relaxed));
     }
 
