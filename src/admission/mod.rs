@@ -12,13 +12,14 @@
 //!   it settles where the core is just busy. A fixed 2,000 is ten times what one core carries,
 //!   and past that every admitted request queues for the CPU. `static` and `gradient2` remain;
 //! - **a "no" costs almost nothing and comes at once when waiting cannot help**: while the
-//!   runtime is saturated, or more requests already wait than the last `max_wait` released, a
+//!   runtime is saturated, or more requests already wait than the recent release rate returns
+//!   within `max_wait`, a
 //!   request without a permit is turned away without arming a timer. The decision
 //!   ([`Limiter::try_admit`]) is synchronous, and the edge (`http::edge`) takes it before any
 //!   other work on the request;
 //! - `Retry-After` comes from the observed drain rate and the whole backlog, including the
 //!   demand turned away in the last second, so clients back off about as long as it needs to
-//!   clear;
+//!   clear, spread by ±50 % so that they do not all come back at once;
 //! - readiness turns false while shedding stays heavy, and comes back only after it has stayed
 //!   light for a while (hysteresis), so the load balancer and an autoscaler see a stable signal.
 //!
@@ -241,7 +242,7 @@ pub(crate) struct Rejected {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Reason {
     /// No permit, and waiting could not help: no wait is configured, the runtime is
-    /// saturated, or more already wait than the last `max_wait` released.
+    /// saturated, or more already wait than the recent release rate returns within `max_wait`.
     Overloaded = 0,
     /// Waited `max_wait` for a permit without getting one.
     QueueTimeout = 1,
@@ -335,13 +336,14 @@ pub struct Limiter {
     max_wait: Duration,
     controller: Controller,
     queue_delay: QueueDelay,
-    /// More requests waited than the last `max_wait` (at least one control interval) released,
-    /// so a new one would time out anyway. Judged once per such window; cleared as soon as
-    /// nobody waits.
-    backed_up: AtomicBool,
-    /// Permits returned in the current window, and when the window started.
+    /// How many may wait: the permits expected back within `max_wait` at the recent release
+    /// rate. A request that would queue behind that many would time out anyway, so it is
+    /// turned away at once, with no timer armed. `u64::MAX` until a permit was ever returned
+    /// (nothing is known about the rate yet).
+    wait_room: AtomicU64,
+    /// Permits returned this control interval, and their EWMA per interval.
     released: AtomicU64,
-    window_started: Mutex<Instant>,
+    release_rate: Mutex<Option<f64>>,
     /// This control interval: the most permits held at once, and whether anyone found no
     /// permit.
     peak_in_flight: AtomicUsize,
@@ -380,10 +382,10 @@ impl Limiter {
             max_wait,
             controller,
             queue_delay,
-            backed_up: AtomicBool::new(false),
+            wait_room: AtomicU64::new(u64::MAX),
             peak_in_flight: AtomicUsize::new(0),
             released: AtomicU64::new(0),
-            window_started: Mutex::new(Instant::now()),
+            release_rate: Mutex::new(None),
             limited: AtomicBool::new(false),
             completed: AtomicU64::new(0),
             drain_per_sec: Mutex::new((0, 0.0)),
@@ -422,7 +424,7 @@ impl Limiter {
         }
         self.limited.store(true, Ordering::Relaxed);
         if self.max_wait.is_zero()
-            || self.backed_up.load(Ordering::Relaxed)
+            || self.waiting() as u64 >= self.wait_room.load(Ordering::Relaxed)
             || self.queue_delay.is_saturated()
         {
             return Decision::Rejected(self.reject(Reason::Overloaded));
@@ -492,7 +494,10 @@ impl Limiter {
         let backlog = (self.in_flight() + self.waiting()) as f64
             + self.rejected_last_second.load(Ordering::Relaxed) as f64;
         let secs = if rate > 0.5 { backlog / rate } else { 5.0 };
-        Duration::from_secs_f64(secs.clamp(1.0, 30.0))
+        // Spread over ±50 %: clients turned away in the same second must not all come back in
+        // the same second (a herd that a full limiter turns away again).
+        let spread = 0.5 + rand::random::<f64>();
+        Duration::from_secs_f64((secs * spread).clamp(1.0, 30.0))
     }
 
     /// Closes one control interval: whether the wait queue can drain, and the adaptive limit.
@@ -500,22 +505,17 @@ impl Limiter {
         let in_flight = self.in_flight();
         let peak = self.peak_in_flight.swap(in_flight, Ordering::Relaxed);
         let limited = self.limited.swap(false, Ordering::Relaxed);
-        let waiting = self.waiting() as u64;
-        if waiting == 0 {
-            self.backed_up.store(false, Ordering::Relaxed);
+        let released = self.released.swap(0, Ordering::Relaxed) as f64;
+        let mut rate = self.release_rate.lock().unwrap_or_else(|p| p.into_inner());
+        let known = rate.is_some() || released > 0.0;
+        let smoothed = rate.map_or(released, |r| 0.5 * r + 0.5 * released);
+        if known {
+            *rate = Some(smoothed);
+            let intervals = self.max_wait.as_secs_f64() / CONTROL_INTERVAL.as_secs_f64();
+            self.wait_room
+                .store((smoothed * intervals).floor() as u64, Ordering::Relaxed);
         }
-        let mut window = self
-            .window_started
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if now.saturating_duration_since(*window) + Duration::from_millis(1)
-            >= self.max_wait.max(CONTROL_INTERVAL)
-        {
-            *window = now;
-            let released = self.released.swap(0, Ordering::Relaxed);
-            self.backed_up.store(waiting > released, Ordering::Relaxed);
-        }
-        drop(window);
+        drop(rate);
         if let Controller::QueueDelay(c) = &self.controller {
             let seen = Interval {
                 saturated: self.queue_delay.is_saturated(),
@@ -729,8 +729,14 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_queue_that_cannot_drain_in_time_turns_new_requests_away() {
-        let (l, _q) = limiter(AdmissionMode::Static, 1, Duration::from_secs(1));
+    async fn a_queue_longer_than_max_wait_can_drain_turns_new_requests_away() {
+        let (l, _q) = limiter(AdmissionMode::Static, 1, CONTROL_INTERVAL);
+        // Before any permit came back nothing is known: waiting is allowed.
+        let held = l.acquire().await.unwrap();
+        assert!(matches!(l.try_admit(), Decision::Wait));
+        drop(held);
+        // One permit returned per interval: one may wait for the next.
+        l.end_interval(Instant::now());
         let held = l.acquire().await.unwrap();
         let waiter = {
             let l = Arc::clone(&l);
@@ -738,20 +744,15 @@ mod tests {
         };
         tokio::task::yield_now().await;
         assert_eq!(l.waiting(), 1);
-        let start = Instant::now();
-        // One control interval without a release is no evidence yet with a 1 s wait ...
-        l.end_interval(start + CONTROL_INTERVAL);
-        assert!(matches!(l.try_admit(), Decision::Wait));
-        // ... a whole max_wait is.
-        l.end_interval(start + Duration::from_secs(1));
-        assert!(matches!(l.try_admit(), Decision::Rejected(_)));
+        assert!(
+            matches!(l.try_admit(), Decision::Rejected(_)),
+            "a second waiter would not get a permit within max_wait"
+        );
         drop(held);
         assert!(
             waiter.await.unwrap(),
             "the one already waiting still gets the permit"
         );
-        l.end_interval(start + Duration::from_secs(2));
-        assert!(!l.backed_up.load(Ordering::Relaxed));
     }
 
     #[tokio::test(start_paused = true)]
@@ -765,10 +766,10 @@ mod tests {
         let Err(first) = l.acquire().await else {
             panic!("full")
         };
-        assert_eq!(
-            first.retry_after,
-            Duration::from_secs(1),
-            "10 in flight at 10/s"
+        assert!(
+            (Duration::from_secs(1)..=Duration::from_millis(1500)).contains(&first.retry_after),
+            "10 in flight at 10/s, spread by ±50 %: {:?}",
+            first.retry_after
         );
         for _ in 0..40 {
             let _ = l.acquire().await;
@@ -778,7 +779,7 @@ mod tests {
             panic!("full")
         };
         assert!(
-            later.retry_after >= Duration::from_secs(4),
+            later.retry_after >= Duration::from_secs(3),
             "10 in flight and 41 turned away, at ~10/s: {:?}",
             later.retry_after
         );
