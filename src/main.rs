@@ -41,8 +41,10 @@ enum Command {
     Migrate,
     /// Insert demo orders for users 1..=N (idempotent).
     Seed {
+        /// Users 1..=N get orders.
         #[arg(long, default_value_t = 10_000)]
         users: i64,
+        /// Orders per user.
         #[arg(long, default_value_t = 5)]
         orders_per_user: i32,
     },
