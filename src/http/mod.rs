@@ -16,7 +16,9 @@ pub(crate) mod pushback;
 
 use std::sync::{Arc, atomic::AtomicBool};
 
-use axum::{Router, extract::DefaultBodyLimit, middleware::from_fn_with_state, routing::get};
+use axum::{
+    Router, extract::DefaultBodyLimit, http::Method, middleware::from_fn_with_state, routing::get,
+};
 use tower::ServiceBuilder;
 
 use crate::{
@@ -69,6 +71,16 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
     let ops = Router::new()
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz));
+
+    // Their request counters exist at 0 from start-up (the `extra` routes of tests are not
+    // known here; they appear with their first request).
+    state.telemetry.register_routes(&[
+        (DASHBOARD, Method::GET),
+        (ORDERS, Method::POST),
+        (ORDER, Method::GET),
+        ("/healthz", Method::GET),
+        ("/readyz", Method::GET),
+    ]);
 
     let server = Arc::new(state.settings.server.clone());
     let edge = Arc::new(edge::Edge {

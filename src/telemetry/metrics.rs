@@ -234,13 +234,7 @@ impl RequestInstruments {
         if let Some(found) = find(handles) {
             return found;
         }
-        let class = match status {
-            100..=199 => "1xx",
-            200..=299 => "2xx",
-            300..=399 => "3xx",
-            400..=499 => "4xx",
-            _ => "5xx",
-        };
+        let class = status_class(status);
         let created = RequestHandles {
             method,
             status,
@@ -259,6 +253,39 @@ impl RequestInstruments {
         };
         handles.push(created.clone());
         created
+    }
+}
+
+/// The status class label of the request counter.
+fn status_class(status: u16) -> &'static str {
+    match status {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
+
+/// The classes a route's request counter is registered with before its first request: what
+/// the gateway answers (success, the caller's error, its own), so that `rate()` over any of
+/// them sees the first increase and an error-ratio panel shows 0, not "no data".
+const REGISTERED_CLASSES: [&str; 3] = ["2xx", "4xx", "5xx"];
+
+/// Registers the request counter of each known (route, method) at 0 in every class of
+/// [`REGISTERED_CLASSES`]. The histogram is labelled by status code, which is not known in
+/// advance; it appears with its route's first answer.
+pub(super) fn register_routes(routes: &[(&str, Method)]) {
+    for (route, method) in routes {
+        for class in REGISTERED_CLASSES {
+            // The registry keeps the series; the handle is not needed.
+            let _ = metrics::counter!(
+                REQUESTS.name,
+                "http_route" => (*route).to_owned(),
+                "http_request_method" => method_label(method),
+                "status_class" => class
+            );
+        }
     }
 }
 
@@ -288,5 +315,14 @@ mod tests {
         assert_eq!(method_label(&Method::PATCH), "PATCH");
         let custom = Method::from_bytes(b"PURGE").unwrap();
         assert_eq!(method_label(&custom), "_OTHER");
+    }
+
+    #[test]
+    fn status_codes_fall_into_their_class() {
+        assert_eq!(status_class(101), "1xx");
+        assert_eq!(status_class(201), "2xx");
+        assert_eq!(status_class(304), "3xx");
+        assert_eq!(status_class(499), "4xx");
+        assert_eq!(status_class(503), "5xx");
     }
 }

@@ -110,6 +110,14 @@ impl Telemetry {
         self.handle.as_ref().map(PrometheusHandle::render)
     }
 
+    /// Registers the RED request counter of every known (route, method) at 0, before the first
+    /// request: the router calls this with its routes.
+    pub(crate) fn register_routes(&self, routes: &[(&str, Method)]) {
+        if self.handle.is_some() {
+            metrics::register_routes(routes);
+        }
+    }
+
     /// Counts a request as active until the guard is dropped.
     pub(crate) fn active_request(&self) -> ActiveGuard<'_> {
         ActiveGuard::new(&self.active)
