@@ -10,18 +10,39 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use sqlx::{Acquire, FromRow, PgConnection};
+use sqlx::{Acquire, FromRow, PgConnection, Row, postgres::PgRow};
 use tracing::Instrument;
 
 use super::{Db, DbError, Statement};
 
 /// One line of the dashboard's `recent_orders`.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize)]
 pub(crate) struct OrderSummary {
     pub id: i64,
     pub status: String,
     pub total_cents: i64,
     pub created_at: DateTime<Utc>,
+}
+
+impl<'r> FromRow<'r, PgRow> for OrderSummary {
+    /// The hot path's query comes over the simple protocol, so every column is text: a
+    /// `timestamptz` would be parsed with chrono's format-string parser (about 3,000
+    /// instructions a row, 2 % of a dashboard's). The query sends the time as integer
+    /// microseconds since the epoch instead, which is exactly what Postgres stores.
+    fn from_row(row: &'r PgRow) -> sqlx::Result<Self> {
+        let micros: i64 = row.try_get("created_at_us")?;
+        Ok(Self {
+            id: row.try_get("id")?,
+            status: row.try_get("status")?,
+            total_cents: row.try_get("total_cents")?,
+            created_at: DateTime::from_timestamp_micros(micros).ok_or_else(|| {
+                sqlx::Error::ColumnDecode {
+                    index: "created_at_us".into(),
+                    source: format!("{micros} µs is out of chrono's range").into(),
+                }
+            })?,
+        })
+    }
 }
 
 /// A validated order request (see `http::orders` for validation).
@@ -166,7 +187,8 @@ async fn recent_orders_on(
     // nothing from the request is ever spliced into SQL text.
     let sql = format!(
         "SET statement_timeout = {}; \
-         SELECT id, status, total_cents, created_at FROM orders \
+         SELECT id, status, total_cents, \
+         (extract(epoch FROM created_at) * 1000000)::int8 AS created_at_us FROM orders \
          WHERE user_id = {user_id} ORDER BY created_at DESC LIMIT 5",
         super::statement_timeout_ms(budget)
     );
