@@ -147,7 +147,7 @@ fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
     match command {
         Command::CheckConfig => {
             // Secrets print as *** and URL passwords are masked by their types.
-            println!("{}", serde_json::to_string_pretty(&settings)?);
+            println!("{}", serde_json::to_string_pretty(&settings.printable()?)?);
             Ok(())
         }
         Command::Capacity {

@@ -92,8 +92,15 @@ impl Settings {
         if let Some(directives) = sources.var("RUST_LOG").filter(|v| !v.trim().is_empty()) {
             figment = figment.merge(("telemetry.log_level", directives));
         }
-        let (settings, invalid) = extract(&figment);
+        let (mut settings, invalid) = extract(&figment);
         problems.extend(invalid);
+        // The OpenTelemetry environment, resolved under the `telemetry.*` keys.
+        if let Some(Err(otel)) = settings
+            .as_mut()
+            .map(|s| s.telemetry.read_otel_env(&sources.env))
+        {
+            problems.extend(otel);
+        }
         // The rules that relate two keys are checked even when some value did not parse (on
         // what did, with defaults for the rest), so that one run reports every problem.
         if let Some(Err(ConfigError::Invalid(crossed))) = settings.as_ref().map(Settings::validate)

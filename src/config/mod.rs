@@ -21,6 +21,7 @@
 //! loader is in `load`, the value types in `types`, the tests in `tests`.
 
 mod load;
+mod otel;
 mod types;
 
 use std::{
@@ -35,6 +36,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::domain::{RouteGroup, Service};
 pub use load::{ConfigError, Sources};
+pub use otel::{OtelEnv, OtelSettings, OtlpHeaders, SamplerKind, Source, Sourced};
 pub use types::{Cidr, HttpUrl, Ratio, Secret};
 
 /// `n` as a `NonZeroUsize` in a `const` (the defaults below).
@@ -538,14 +540,38 @@ pub struct TelemetrySettings {
     /// `tracing` filter directives, e.g. `info,tributary=debug`; `RUST_LOG` wins when set.
     pub log_level: String,
     pub metrics_enabled: bool,
-    /// OTLP/HTTP endpoint (e.g. `http://otel-collector:4318`); unset turns trace export off.
+    /// OTLP/HTTP base endpoint for every signal (e.g. `http://otel-collector:4318`; traces go
+    /// to `/v1/traces` under it, metrics to `/v1/metrics`). Else `OTEL_EXPORTER_OTLP_ENDPOINT`.
     pub otlp_endpoint: Option<HttpUrl>,
-    /// Share of root traces sampled (parent decisions are honoured).
-    pub sampling_ratio: Ratio,
-    pub service_name: String,
+    /// The traces endpoint, used as it is; wins over `otlp_endpoint`. Else
+    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`.
+    pub otlp_traces_endpoint: Option<HttpUrl>,
+    /// The metrics endpoint, used as it is; wins over `otlp_endpoint`. Else
+    /// `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`. Metrics are exported over OTLP only when one
+    /// of the three resolves to an endpoint.
+    pub otlp_metrics_endpoint: Option<HttpUrl>,
+    /// Headers for every export, `key=value,key=value` (values masked when printed). Else
+    /// `OTEL_EXPORTER_OTLP_HEADERS`.
+    pub otlp_headers: Option<OtlpHeaders>,
+    /// How often metrics are exported over OTLP. Else `OTEL_METRIC_EXPORT_INTERVAL`, else 10 s.
+    #[serde(with = "types::optional_positive_duration")]
+    pub otlp_metrics_interval: Option<Duration>,
+    /// The trace sampler, as `OTEL_TRACES_SAMPLER` names them (`parentbased_traceidratio`,
+    /// `always_off`, ...). Else `OTEL_TRACES_SAMPLER`, else `parentbased_always_on`, or
+    /// `parentbased_traceidratio` when only `sampling_ratio` is set.
+    pub sampler: Option<SamplerKind>,
+    /// The ratio of the two ratio samplers. Else `OTEL_TRACES_SAMPLER_ARG`, else 1.
+    pub sampling_ratio: Option<Ratio>,
+    /// The resource's `service.name`. Else `OTEL_SERVICE_NAME`, else a `service.name` in
+    /// `OTEL_RESOURCE_ATTRIBUTES`, else `tributary`.
+    pub service_name: Option<String>,
     /// A single poll that holds a worker thread longer than this is logged and counted.
     #[serde(with = "humantime_serde")]
     pub long_poll_threshold: Duration,
+    /// The `OTEL_*` variables, parsed by the loader; [`TelemetrySettings::otel`] merges them
+    /// with the keys above.
+    #[serde(skip)]
+    pub otel_env: OtelEnv,
 }
 
 impl Default for TelemetrySettings {
@@ -555,10 +581,31 @@ impl Default for TelemetrySettings {
             log_level: "info".into(),
             metrics_enabled: true,
             otlp_endpoint: None,
-            sampling_ratio: Ratio::of(1.0),
-            service_name: "tributary".into(),
+            otlp_traces_endpoint: None,
+            otlp_metrics_endpoint: None,
+            otlp_headers: None,
+            otlp_metrics_interval: None,
+            sampler: None,
+            sampling_ratio: None,
+            service_name: None,
             long_poll_threshold: Duration::from_millis(10),
+            otel_env: OtelEnv::default(),
         }
+    }
+}
+
+impl TelemetrySettings {
+    /// The effective OpenTelemetry settings: each from its key above when set, else from its
+    /// `OTEL_*` variable, else the default, with where it came from.
+    pub fn otel(&self) -> OtelSettings {
+        otel::merge(self, &self.otel_env)
+    }
+
+    /// Takes the `OTEL_*` variables from `env` (the loader does this with its sources; a test
+    /// can with its own). Returns every problem, each naming its variable.
+    pub fn read_otel_env(&mut self, env: &[(String, String)]) -> Result<(), Vec<String>> {
+        self.otel_env = OtelEnv::parse(env)?;
+        Ok(())
     }
 }
 
@@ -598,6 +645,15 @@ impl Settings {
         } else {
             Err(ConfigError::Invalid(problems))
         }
+    }
+
+    /// What `check-config` prints: every setting as it was given, and under `opentelemetry`
+    /// the effective OpenTelemetry settings, each with where it came from (a `telemetry.*`
+    /// key, an `OTEL_*` variable, or the default). Secrets are masked by their types.
+    pub fn printable(&self) -> Result<serde_json::Value, serde_json::Error> {
+        let mut shown = serde_json::to_value(self)?;
+        shown["opentelemetry"] = serde_json::to_value(self.telemetry.otel())?;
+        Ok(shown)
     }
 
     /// Admission settings resolved for one route group: its limit and its longest wait.

@@ -132,6 +132,25 @@ pub(super) mod positive_duration {
     }
 }
 
+/// An optional duration that must not be zero when given.
+pub(super) mod optional_positive_duration {
+    use super::*;
+
+    pub(crate) fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        humantime_serde::serialize(d, s)
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Duration>, D::Error> {
+        let value: Option<Duration> = humantime_serde::deserialize(d)?;
+        if value.is_some_and(|v| v.is_zero()) {
+            return Err(D::Error::custom("must be greater than zero"));
+        }
+        Ok(value)
+    }
+}
+
 /// An HTTP header name, e.g. `x-api-key`.
 pub(super) mod header_name {
     use http::HeaderName;

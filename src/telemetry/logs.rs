@@ -70,8 +70,8 @@ where
     let only_request_span = filter_fn(|meta| !meta.is_span() || meta.name() == REQUEST_SPAN);
 
     #[cfg(feature = "otel")]
-    if let Some(endpoint) = &settings.otlp_endpoint {
-        let (otel_layer, provider) = trace::otel::layer(settings, endpoint.as_str())?;
+    if let Some(provider) = trace::otel::tracer_provider(settings)? {
+        let otel_layer = trace::otel::layer(&provider);
         let log_filter = match filter {
             LogFilter::Targets(t) => FilterExt::boxed(t),
             LogFilter::Env(e) => FilterExt::boxed(e),

@@ -19,12 +19,14 @@ use std::{
 
 use axum::http::Method;
 use metrics::{Counter, Gauge, Histogram, Unit};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
 
-use crate::build_info;
+use crate::{build_info, config::TelemetrySettings};
 
-/// Latency buckets that resolve both 1 ms and 1 s.
-const LATENCY_BUCKETS: &[f64] = &[
+/// Latency buckets that resolve both 1 ms and 1 s (OTLP histograms get the same ones).
+pub(super) const LATENCY_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
@@ -100,6 +102,11 @@ impl Family {
         }
     }
 
+    /// The unit, when the family has one.
+    pub fn unit(&self) -> Option<Unit> {
+        self.unit
+    }
+
     fn describe(&self) {
         let (name, help) = (self.name, self.help);
         match (self.kind, self.unit) {
@@ -133,19 +140,28 @@ pub(crate) const BUILD_INFO: Family = Family::gauge(
 /// The families this module records.
 pub(crate) const FAMILIES: &[Family] = &[REQUEST_DURATION, REQUESTS, ACTIVE_REQUESTS, BUILD_INFO];
 
-/// Installs the Prometheus recorder (once per process; later calls return the same handle),
+/// Installs the process's recorder (once per process; later calls return the same handle),
 /// describes every family in `catalogue`, and starts the recorder's upkeep and the process
 /// sampler on plain threads. Those two run for the life of the process, unlike the
 /// application's tasks: they serve the `metrics` facade's global recorder, which outlives any
 /// one application (tests build many) and cannot be uninstalled.
-pub(super) fn install_recorder(catalogue: &[&[Family]]) -> anyhow::Result<PrometheusHandle> {
+///
+/// The recorder is the Prometheus one alone, or, when OTLP metrics are configured (and the
+/// `otel` feature is built), a fan-out to it and to the OpenTelemetry bridge (see `otlp`).
+/// The first application in a process decides which.
+pub(super) fn install_recorder(
+    settings: &TelemetrySettings,
+    catalogue: &[&[Family]],
+) -> anyhow::Result<PrometheusHandle> {
     let mut installed = PROMETHEUS.lock().unwrap_or_else(|p| p.into_inner());
     let handle = match installed.as_ref() {
         Some(h) => h.clone(),
         None => {
-            let handle = PrometheusBuilder::new()
+            let prometheus = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)?
-                .install_recorder()?;
+                .build_recorder();
+            let handle = prometheus.handle();
+            set_global_recorder(settings, catalogue, prometheus)?;
             *installed = Some(handle.clone());
             // Histograms are kept as buckets here, so upkeep only drains internal buffers.
             let upkeep = handle.clone();
@@ -174,6 +190,43 @@ pub(super) fn install_recorder(catalogue: &[&[Family]]) -> anyhow::Result<Promet
         family.describe();
     }
     Ok(handle)
+}
+
+/// Installs `prometheus` as the global recorder, behind a fan-out to the OTLP bridge when
+/// OTLP metrics are configured. Without them no fan-out layer is installed: recording costs
+/// exactly what it did before OTLP existed.
+#[cfg(feature = "otel")]
+fn set_global_recorder(
+    settings: &TelemetrySettings,
+    catalogue: &[&[Family]],
+    prometheus: PrometheusRecorder,
+) -> anyhow::Result<()> {
+    match super::otlp::meter_provider(&settings.otel())? {
+        Some(provider) => {
+            let bridge = super::otlp::OtelRecorder::new(&provider, catalogue);
+            let fanout = metrics_util::layers::FanoutBuilder::default()
+                .add_recorder(prometheus)
+                .add_recorder(bridge)
+                .build();
+            metrics::set_global_recorder(fanout).map_err(|_| already_installed())?;
+            super::otlp::keep_meter_provider(provider);
+        }
+        None => metrics::set_global_recorder(prometheus).map_err(|_| already_installed())?,
+    }
+    Ok(())
+}
+
+fn already_installed() -> anyhow::Error {
+    anyhow::anyhow!("a metrics recorder is already installed in this process")
+}
+
+#[cfg(not(feature = "otel"))]
+fn set_global_recorder(
+    _: &TelemetrySettings,
+    _: &[&[Family]],
+    prometheus: PrometheusRecorder,
+) -> anyhow::Result<()> {
+    metrics::set_global_recorder(prometheus).map_err(|_| already_installed())
 }
 
 /// The HTTP method as a bounded label: the methods HTTP defines, and `_OTHER` for anything

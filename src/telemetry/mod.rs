@@ -14,6 +14,8 @@
 mod log_sink;
 pub(crate) mod logs;
 pub(crate) mod metrics;
+#[cfg(feature = "otel")]
+pub(crate) mod otlp;
 pub(crate) mod runtime;
 pub(crate) mod trace;
 
@@ -27,6 +29,8 @@ pub use logs::install_subscriber;
 pub(crate) use metrics::ActiveGuard;
 pub use metrics::{Family, Kind};
 pub(crate) use runtime::PollTimer;
+#[cfg(feature = "otel")]
+pub use trace::otel::tracer_provider;
 pub(crate) use trace::{
     attach_trace, local_trace_ids, otel_active, outgoing_trace_headers, parse_traceparent,
 };
@@ -52,8 +56,12 @@ pub struct TracingGuard {
 impl Drop for TracingGuard {
     fn drop(&mut self) {
         #[cfg(feature = "otel")]
-        if let Some(provider) = self.provider.take() {
-            let _ = provider.shutdown();
+        {
+            if let Some(provider) = self.provider.take() {
+                let _ = provider.shutdown();
+            }
+            // The last metrics since the previous export, when they go over OTLP.
+            otlp::shutdown_meter_provider();
         }
     }
 }
@@ -92,7 +100,7 @@ impl Telemetry {
         catalogue: &[&[Family]],
     ) -> anyhow::Result<Arc<Self>> {
         let handle = if settings.metrics_enabled {
-            Some(metrics::install_recorder(catalogue)?)
+            Some(metrics::install_recorder(settings, catalogue)?)
         } else {
             None
         };

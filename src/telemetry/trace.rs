@@ -131,43 +131,37 @@ pub(crate) fn local_trace_ids(incoming: Option<&TraceParent>, headers: &HeaderMa
 }
 
 #[cfg(feature = "otel")]
-pub(super) mod otel {
+pub(crate) mod otel {
     use axum::http::HeaderMap;
     use opentelemetry::{
         propagation::{Extractor, TextMapPropagator},
         trace::{TraceContextExt, TracerProvider as _},
     };
-    use opentelemetry_otlp::{Protocol, WithExportConfig};
+    use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
     use opentelemetry_sdk::{
-        Resource,
         propagation::TraceContextPropagator,
-        trace::{BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider},
+        trace::{BatchConfigBuilder, BatchSpanProcessor, SdkTracerProvider},
     };
     use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-    use crate::{config::TelemetrySettings, context::TraceIds};
+    use crate::{config::TelemetrySettings, context::TraceIds, telemetry::otlp};
 
-    pub(in crate::telemetry) fn layer<S>(
+    /// The tracer provider, exporting OTLP/HTTP protobuf in batches, when a traces endpoint
+    /// is configured (and `OTEL_SDK_DISABLED` is not true); `None` otherwise. Public for the
+    /// end-to-end tests, which export through it without installing a global subscriber.
+    pub fn tracer_provider(
         settings: &TelemetrySettings,
-        endpoint: &str,
-    ) -> anyhow::Result<(
-        tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>,
-        SdkTracerProvider,
-    )>
-    where
-        S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
-    {
-        let endpoint = endpoint.trim_end_matches('/');
-        let url = if endpoint.ends_with("/v1/traces") {
-            endpoint.to_owned()
-        } else {
-            format!("{endpoint}/v1/traces")
+    ) -> anyhow::Result<Option<SdkTracerProvider>> {
+        let otel = &settings.otel();
+        let Some(endpoint) = &otel.traces_endpoint.value else {
+            return Ok(None);
         };
         crate::tls::install_provider();
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .with_protocol(Protocol::HttpBinary)
-            .with_endpoint(url)
+            .with_endpoint(endpoint.as_str())
+            .with_headers(otlp::headers(otel))
             .build()?;
         let processor = BatchSpanProcessor::builder(exporter)
             .with_batch_config(
@@ -177,24 +171,25 @@ pub(super) mod otel {
                     .build(),
             )
             .build();
-        let provider = SdkTracerProvider::builder()
-            .with_span_processor(processor)
-            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-                settings.sampling_ratio.get(),
-            ))))
-            .with_resource(
-                Resource::builder()
-                    .with_service_name(settings.service_name.clone())
-                    .build(),
-            )
-            .build();
-        let tracer = provider.tracer("tributary");
-        Ok((
-            tracing_opentelemetry::layer()
-                .with_tracer(tracer)
-                .with_error_records_to_exceptions(true),
-            provider,
+        Ok(Some(
+            SdkTracerProvider::builder()
+                .with_span_processor(processor)
+                .with_sampler(otlp::sampler(otel))
+                .with_resource(otlp::resource(otel))
+                .build(),
         ))
+    }
+
+    /// The `tracing` layer over `provider`'s tracer.
+    pub(in crate::telemetry) fn layer<S>(
+        provider: &SdkTracerProvider,
+    ) -> tracing_opentelemetry::OpenTelemetryLayer<S, opentelemetry_sdk::trace::Tracer>
+    where
+        S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
+    {
+        tracing_opentelemetry::layer()
+            .with_tracer(provider.tracer("tributary"))
+            .with_error_records_to_exceptions(true)
     }
 
     struct Headers<'a>(&'a HeaderMap);
