@@ -248,7 +248,7 @@ def compose(path: Path) -> None:
     check(deps.get("migrate-seed", {}).get("condition") == "service_completed_successfully",
           "compose gateway waits for migrate-seed to complete")
     for key, value in gw_env.items():
-        if key.endswith("__BASE_URL") or key.endswith("__OTLP_ENDPOINT") or key == "DATABASE_URL":
+        if key.endswith("__BASE_URL") or (key.startswith("TRIBUTARY_TELEMETRY__OTLP_") and key.endswith("_ENDPOINT")) or key == "DATABASE_URL":
             u = urlsplit(str(value))
             host, port = u.hostname, u.port
             ok = host in services and port == listen_port(host) and host in deps

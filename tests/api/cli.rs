@@ -80,6 +80,57 @@ fn check_config_masks_every_secret_and_every_url_password() {
 }
 
 #[test]
+fn check_config_shows_where_each_opentelemetry_value_came_from_and_masks_the_headers() {
+    let out = tributary(
+        &["check-config"],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318"),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "api-key=pw-header"),
+            ("OTEL_SERVICE_NAME", "from-env"),
+            ("TRIBUTARY_TELEMETRY__SERVICE_NAME", "from-key"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        !stdout.contains("pw-header"),
+        "a header value printed:\n{stdout}"
+    );
+    let shown: serde_json::Value = serde_json::from_str(&stdout).expect("check-config prints JSON");
+    let otel = &shown["opentelemetry"];
+    assert_eq!(
+        otel["service_name"],
+        serde_json::json!({"value": "from-key", "from": "telemetry.service_name"}),
+        "the tributary key wins"
+    );
+    assert_eq!(
+        otel["traces_endpoint"],
+        serde_json::json!({
+            "value": "http://collector:4318/v1/traces",
+            "from": "env OTEL_EXPORTER_OTLP_ENDPOINT"
+        })
+    );
+    assert_eq!(
+        otel["metrics_endpoint"]["value"],
+        "http://collector:4318/v1/metrics"
+    );
+    assert_eq!(otel["headers"]["value"], "api-key=***");
+    assert_eq!(otel["sampler"]["from"], "default");
+}
+
+#[test]
+fn an_invalid_otel_variable_stops_start_up_with_one_line_naming_it() {
+    let out = tributary(&["check-config"], &[("OTEL_TRACES_SAMPLER", "sometimes")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        stderr.contains("OTEL_TRACES_SAMPLER: unknown sampler \"sometimes\""),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+}
+
+#[test]
 fn a_variable_that_names_no_setting_stops_start_up_with_the_closest_key() {
     let out = tributary(
         &["check-config"],
