@@ -31,9 +31,13 @@ pub(crate) struct TraceParent {
     pub sampled: bool,
 }
 
-/// Parses `traceparent` (version 00), rejecting malformed or all-zero ids as the spec requires.
-/// Every field is lowercase hex of its exact length: `u8::from_str_radix` alone would also take
-/// flags such as `+1` or `1`.
+/// Parses `traceparent`, rejecting malformed or all-zero ids as the spec requires. Every field
+/// is lowercase hex of its exact length: `u8::from_str_radix` alone (and the SDK's own
+/// propagator, which is why this parser gates it) would also take flags such as `+1` or `1`.
+///
+/// A version other than `00` is accepted as the W3C asks, so that a caller a version ahead
+/// still joins the trace: its first four fields are read as version 00's, and whatever follows
+/// a dash after the flags is ignored. Version `00` has exactly four fields; `ff` is invalid.
 pub(crate) fn parse_traceparent(headers: &HeaderMap) -> Option<TraceParent> {
     let v = headers.get("traceparent")?.to_str().ok()?;
     let mut parts = v.trim().split('-');
@@ -43,8 +47,10 @@ pub(crate) fn parse_traceparent(headers: &HeaderMap) -> Option<TraceParent> {
         s.len() == n && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
     };
     let id = |s: &str, n: usize| hex(s, n) && s.bytes().any(|b| b != b'0');
-    if version != "00"
-        || parts.next().is_some()
+    let more = parts.next().is_some();
+    if !hex(version, 2)
+        || version == "ff"
+        || (version == "00" && more)
         || !id(trace_id, 32)
         || !id(parent_id, 16)
         || !hex(flags, 2)
@@ -251,7 +257,11 @@ mod tests {
         for bad in [
             "00-00000000000000000000000000000000-b7ad6b7169203331-01",
             "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
-            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "0-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "0g-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-+1",
             "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
             "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",
             "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-+1",
@@ -267,6 +277,19 @@ mod tests {
         ))
         .expect("flags 00 are valid");
         assert!(!unsampled.sampled);
+    }
+
+    #[test]
+    fn a_later_traceparent_version_is_read_by_its_first_four_fields() {
+        for later in [
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "cc-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-what-the-future-will-be-like",
+        ] {
+            let tp = parse_traceparent(&headers(later)).expect(later);
+            assert_eq!(tp.trace_id, "0af7651916cd43dd8448eb211c80319c");
+            assert_eq!(tp.parent_id, "b7ad6b7169203331");
+            assert!(tp.sampled);
+        }
     }
 
     #[test]
