@@ -5,6 +5,8 @@
 //!   `otel` feature);
 //! - `metrics`: the Prometheus recorder, the [`metrics::Family`] type every module declares
 //!   its metrics with, and the per-request RED instruments;
+//! - `otlp` (behind `otel`): the OpenTelemetry resource and sampler, and metrics over OTLP
+//!   through a bridge from the `metrics` facade;
 //! - `runtime`: runtime and process samplers, and the long-poll detector.
 //!
 //! This module is a leaf: it knows the configuration, the build's identity and the request
@@ -28,6 +30,9 @@ use metrics_exporter_prometheus::PrometheusHandle;
 pub use logs::install_subscriber;
 pub(crate) use metrics::ActiveGuard;
 pub use metrics::{Family, Kind};
+/// The OTLP metrics bridge, public for `examples/metrics_cost.rs`, which measures it.
+#[cfg(feature = "otel")]
+pub use otlp::OtelRecorder;
 pub(crate) use runtime::PollTimer;
 #[cfg(feature = "otel")]
 pub use trace::otel::tracer_provider;

@@ -269,7 +269,7 @@ struct Registered {
 }
 
 /// The `metrics` recorder that feeds an OpenTelemetry meter (see the module docs).
-pub(crate) struct OtelRecorder {
+pub struct OtelRecorder {
     meter: Meter,
     /// The catalogue, by Prometheus name: each instrument's type, unit and description.
     families: HashMap<&'static str, Family>,
@@ -284,7 +284,8 @@ enum Observed {
 }
 
 impl OtelRecorder {
-    pub(crate) fn new(provider: &SdkMeterProvider, catalogue: &[&[Family]]) -> Self {
+    /// A recorder feeding `provider`'s meter, describing each instrument from `catalogue`.
+    pub fn new(provider: &SdkMeterProvider, catalogue: &[&[Family]]) -> Self {
         Self {
             meter: provider.meter("tributary"),
             families: catalogue
