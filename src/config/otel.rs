@@ -265,6 +265,20 @@ impl OtelEnv {
         let sampler = get("OTEL_TRACES_SAMPLER", &|v| sampler_var(v).map(drop));
         let sampler_arg = get("OTEL_TRACES_SAMPLER_ARG", &|v| ratio_var(v).map(drop));
         let interval = get("OTEL_METRIC_EXPORT_INTERVAL", &|v| millis_var(v).map(drop));
+        // Only checked: an exporter configured for gRPC (port 4317) would fail every export,
+        // so a protocol this build does not speak stops start-up instead.
+        for var in [
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+        ] {
+            get(var, &|v| match v {
+                "http/protobuf" => Ok(()),
+                _ => Err(format!(
+                    "{v:?} is not spoken by this build; it exports http/protobuf only"
+                )),
+            });
+        }
         if !problems.is_empty() {
             return Err(problems);
         }
@@ -696,6 +710,7 @@ mod tests {
                 "authorization=Bearer\nhunter2",
             ),
             ("OTEL_METRICS_EXPORTER", "prometheus"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
         ]))
         .unwrap_err();
         let all = problems.join("; ");
@@ -708,10 +723,11 @@ mod tests {
             "OTEL_RESOURCE_ATTRIBUTES: entry 2 is not key=value",
             "OTEL_EXPORTER_OTLP_HEADERS: entry 1 (authorization)",
             "OTEL_METRICS_EXPORTER:",
+            "OTEL_EXPORTER_OTLP_PROTOCOL: \"grpc\" is not spoken by this build",
         ] {
             assert!(all.contains(var), "{var} missing from: {all}");
         }
         assert!(!all.contains("hunter2"), "{all}");
-        assert_eq!(problems.len(), 8, "{all}");
+        assert_eq!(problems.len(), 9, "{all}");
     }
 }
