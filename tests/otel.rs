@@ -321,7 +321,10 @@ async fn metrics_over_otlp_carry_the_conventional_names_units_and_the_counts_of_
             assert!(sum.is_monotonic, "a counter is a monotonic sum");
             sum.data_points
                 .into_iter()
-                .find(|p| route_is_probe(&p.attributes))
+                .find(|p| {
+                    route_is_probe(&p.attributes)
+                        && string_attr(&p.attributes, "status_class") == Some("2xx")
+                })
                 .and_then(|p| match p.value {
                     Some(number_data_point::Value::AsInt(n)) => Some((n, p.attributes)),
                     _ => None,
