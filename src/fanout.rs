@@ -22,8 +22,9 @@ use crate::{
     context,
     db::{Db, DbError, orders::OrderSummary},
     domain::{Part, Service},
-    downstream::{CallError, Downstream, Downstreams, Outcome},
+    downstream::{CallError, Downstream, Outcome},
     error::ApiError,
+    routing::Route,
     telemetry::Family,
 };
 
@@ -104,9 +105,10 @@ fn db_outcome(e: &DbError) -> Outcome {
     }
 }
 
-/// Runs the fan-out for one user: the five services' parts and the recent orders.
+/// Runs the fan-out for one user: the five services' parts and the recent orders, each
+/// service's part from the deployment `route` chose for it (stable, or a variant).
 pub(crate) async fn dashboard(
-    downstreams: &Downstreams,
+    route: &Route<'_>,
     db: &Db,
     metrics: &FanoutMetrics,
     user_id: i64,
@@ -114,13 +116,13 @@ pub(crate) async fn dashboard(
     let started = Instant::now();
     let required = async {
         let t = Instant::now();
-        downstreams
-            .get(Service::Users)
+        route
+            .client(Service::Users)
             .fetch_user_part(user_id)
             .await
             .map(|v| (v, t.elapsed()))
     };
-    let optional = |service| optional_call(downstreams.get(service), user_id);
+    let optional = |service| optional_call(route.client(service), user_id);
     let orders = async {
         let t = Instant::now();
         // The pool wait is bounded by the budget and the server cancels the statement at its

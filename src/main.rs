@@ -120,7 +120,8 @@ fn headroom(s: &str) -> Result<f64, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let settings = match Settings::load(&Sources::from_process(cli.config.as_deref())) {
+    let sources = Sources::from_process(cli.config.as_deref());
+    let settings = match Settings::load(&sources) {
         Ok(s) => s,
         // The arithmetic needs no configuration: an unrelated bad setting must not stop it.
         Err(e) if matches!(cli.command, Some(Command::Capacity { .. })) => {
@@ -134,7 +135,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match run(cli.command.unwrap_or(Command::Serve), settings) {
+    match run(cli.command.unwrap_or(Command::Serve), settings, sources) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tributary: {e:#}");
@@ -143,7 +144,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
+fn run(command: Command, settings: Settings, sources: Sources) -> anyhow::Result<()> {
     match command {
         Command::CheckConfig => {
             // Secrets print as *** and URL passwords are masked by their types.
@@ -185,12 +186,14 @@ fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
             if let Some(n) = settings.server.worker_threads {
                 runtime.worker_threads(n.get());
             }
-            runtime.build()?.block_on(async_main(command, settings))
+            runtime
+                .build()?
+                .block_on(async_main(command, settings, sources))
         }
     }
 }
 
-async fn async_main(command: Command, settings: Settings) -> anyhow::Result<()> {
+async fn async_main(command: Command, settings: Settings, sources: Sources) -> anyhow::Result<()> {
     match command {
         Command::Migrate => {
             let db = Db::connect_lazy(&settings.database)?;
@@ -209,7 +212,8 @@ async fn async_main(command: Command, settings: Settings) -> anyhow::Result<()> 
             Ok(())
         }
         _ => {
-            let app = Application::build(settings).await?;
+            // The routing (grey releases) reloads from the same sources on SIGHUP.
+            let app = Application::build(settings).await?.reload_from(sources);
             app.run_until_stopped(shutdown_signal()).await
         }
     }

@@ -48,6 +48,7 @@ use crate::{
     },
     overload::QueueDelay,
     ratelimit::RateLimiter,
+    routing::Routing,
     telemetry::{self, Family, Telemetry},
 };
 
@@ -62,6 +63,7 @@ pub const METRIC_FAMILIES: &[&[Family]] = &[
     crate::downstream::FAMILIES,
     crate::db::FAMILIES,
     crate::fanout::FAMILIES,
+    crate::routing::FAMILIES,
 ];
 
 pub struct Application {
@@ -105,6 +107,11 @@ impl Application {
         // the breakers do not blame the downstreams for it.
         let queue_delay = QueueDelay::spawn(settings.overload.queue_delay_target, tasks.clone());
         let downstreams = Arc::new(Downstreams::new(&settings, client, &queue_delay));
+        let routing = Arc::new(Routing::new(
+            Arc::clone(&settings),
+            Arc::clone(&downstreams),
+            queue_delay.clone(),
+        )?);
         let admission = settings
             .admission
             .enabled
@@ -121,6 +128,7 @@ impl Application {
             settings: Arc::clone(&settings),
             db,
             downstreams,
+            routing,
             admission,
             rate_limiter,
             telemetry,
@@ -159,6 +167,13 @@ impl Application {
         &self.state
     }
 
+    /// Reload the routing (grey releases) from `sources` on SIGHUP, on the admin endpoint and,
+    /// with `routing.watch_config`, when the file changes.
+    pub fn reload_from(self, sources: crate::config::Sources) -> Self {
+        self.state.routing.reload_from(sources);
+        self
+    }
+
     /// Serves until `shutdown` resolves, then stops accepting, lets in-flight requests finish
     /// within `server.drain_timeout`, and closes the database pool.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
@@ -177,9 +192,10 @@ impl Application {
         // Until the API has drained: a scrape during the drain still sees it.
         let ops = tokio::spawn(serve_ops(
             ops_listener,
-            ops_router(state.clone()),
+            crate::http::admin::with_routing_admin(ops_router(state.clone()), &state),
             tasks.clone(),
         ));
+        state.routing.spawn_tasks(tasks.clone());
         state.db.spawn_pool_sampler(tasks);
 
         let mut builder = auto::Builder::new(TokioExecutor::new());

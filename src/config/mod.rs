@@ -21,6 +21,7 @@
 //! loader is in `load`, the value types in `types`, the tests in `tests`.
 
 mod load;
+pub mod routing;
 mod types;
 
 use std::{
@@ -35,6 +36,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::domain::{RouteGroup, Service};
 pub use load::{ConfigError, Sources};
+pub use routing::{RoutingSettings, VariantName, VariantSettings};
 pub use types::{Cidr, HttpUrl, Ratio, Secret};
 
 /// `n` as a `NonZeroUsize` in a `const` (the defaults below).
@@ -61,6 +63,8 @@ pub struct Settings {
     pub circuit_breaker: CircuitBreakerSettings,
     pub retry: RetrySettings,
     pub telemetry: TelemetrySettings,
+    /// Grey releases: the admin endpoints and the automatic rollback (`routing.rs`).
+    pub routing: RoutingSettings,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -281,6 +285,11 @@ pub struct DownstreamSettings {
     /// Send a second, hedged request when the first has not answered after this long.
     #[serde(with = "humantime_serde")]
     pub hedge_after: Option<Duration>,
+    /// Grey releases: other deployments of this service, by name (see `routing.rs`).
+    pub variants: BTreeMap<VariantName, VariantSettings>,
+    /// Which requests go to a variant, in order: the first rule that matches decides; a
+    /// request no rule matches goes to this downstream itself (`stable`).
+    pub rules: Vec<routing::Rule>,
 }
 
 impl Default for DownstreamSettings {
@@ -292,6 +301,8 @@ impl Default for DownstreamSettings {
             timeout: Duration::from_millis(500),
             max_concurrency: nonzero(1024),
             hedge_after: None,
+            variants: BTreeMap::new(),
+            rules: Vec::new(),
         }
     }
 }
@@ -592,6 +603,10 @@ impl Settings {
             problems.push(
                 "admission.ready_shed_ratio must not exceed admission.unready_shed_ratio (no hysteresis otherwise)".into(),
             );
+        }
+        for service in Service::ALL {
+            let d = self.downstreams.get(service);
+            routing::validate(service.as_str(), &d.variants, &d.rules, &mut problems);
         }
         if problems.is_empty() {
             Ok(())

@@ -25,8 +25,12 @@
 //! top to bottom; the breaker, which has state of its own, is [`breaker`].
 
 pub mod breaker;
+pub mod window;
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
 
 use bytes::{Bytes, BytesMut};
 use http::HeaderValue;
@@ -41,13 +45,18 @@ use tower::retry::budget::{Budget, TpsBudget};
 use tracing::{Instrument, Span};
 
 use crate::{
-    config::{HttpClientSettings, RetrySettings, Settings},
+    config::{HttpClientSettings, RetrySettings, Settings, VariantSettings, routing::STABLE},
     context::remaining,
     domain::Service,
     overload::QueueDelay,
     telemetry::Family,
 };
 use breaker::Breaker;
+use window::Window;
+
+/// Header naming the variant a call was routed to (`stable` for the downstream's own
+/// deployment), sent only by a downstream that has variants: the colour follows the request.
+pub const VARIANT_HEADER: &str = "x-tributary-variant";
 
 /// Header carrying the caller's remaining budget in whole milliseconds.
 pub(crate) const BUDGET_HEADER: &str = "x-request-budget-ms";
@@ -254,20 +263,22 @@ struct Instruments {
 }
 
 impl Instruments {
-    fn register(service: Service) -> Self {
+    /// `variant` is a bounded label: `stable`, or a name the configuration declares.
+    fn register(service: Service, variant: &str) -> Self {
         let service = service.as_str();
+        let v = || variant.to_owned();
         Self {
-            in_flight: metrics::gauge!(IN_FLIGHT.name, "downstream" => service),
-            retries: metrics::counter!(RETRIES.name, "downstream" => service),
-            hedges: metrics::counter!(HEDGES.name, "downstream" => service),
+            in_flight: metrics::gauge!(IN_FLIGHT.name, "downstream" => service, "variant" => v()),
+            retries: metrics::counter!(RETRIES.name, "downstream" => service, "variant" => v()),
+            hedges: metrics::counter!(HEDGES.name, "downstream" => service, "variant" => v()),
             requests: Outcome::ALL.map(|o| {
-                metrics::counter!(REQUESTS.name, "downstream" => service, "outcome" => o.as_str())
+                metrics::counter!(REQUESTS.name, "downstream" => service, "variant" => v(), "outcome" => o.as_str())
             }),
             duration: Outcome::ALL.map(|o| {
-                metrics::histogram!(REQUEST_DURATION.name, "downstream" => service, "outcome" => o.as_str())
+                metrics::histogram!(REQUEST_DURATION.name, "downstream" => service, "variant" => v(), "outcome" => o.as_str())
             }),
             ignored: [TimeoutCause::RequestBudget, TimeoutCause::GatewaySaturated].map(|c| {
-                let counter = metrics::counter!(BREAKER_IGNORED.name, "downstream" => service, "reason" => c.as_str());
+                let counter = metrics::counter!(BREAKER_IGNORED.name, "downstream" => service, "variant" => v(), "reason" => c.as_str());
                 counter.increment(0);
                 counter
             }),
@@ -281,14 +292,24 @@ impl Instruments {
     }
 }
 
-/// A typed client for one downstream service.
+/// A typed client for one downstream service: its own deployment (`stable`), or one variant of
+/// it (a grey release), each an instance of its own with its own pool, bulkhead and breaker.
 pub struct Downstream {
     service: Service,
+    /// `stable`, or the variant's configured name: the `variant` label and the span's
+    /// `service.version`.
+    variant: Arc<str>,
+    /// [`VARIANT_HEADER`]'s value.
+    variant_header: HeaderValue,
+    /// The live comparison's window, set once the downstream has variants; while it is unset
+    /// (no variants) a call records nothing more and sends no variant header.
+    window: OnceLock<Window>,
     /// `{base_url}/{service}/`; the user id is appended per call.
     prefix: String,
     timeout: Duration,
     hedge_after: Option<Duration>,
     bulkhead: Arc<Semaphore>,
+    max_concurrency: usize,
     breaker: Breaker,
     retry: RetrySettings,
     retry_budget: TpsBudget,
@@ -299,6 +320,14 @@ pub struct Downstream {
     metrics: Instruments,
 }
 
+/// What one instance is built from: its own part of the settings.
+struct Own<'a> {
+    base_url: &'a str,
+    timeout: Duration,
+    max_concurrency: usize,
+    hedge_after: Option<Duration>,
+}
+
 impl Downstream {
     /// The client for `service`, from its settings and the shared breaker and retry settings.
     pub(crate) fn new(
@@ -307,20 +336,70 @@ impl Downstream {
         client: reqwest::Client,
         queue_delay: QueueDelay,
     ) -> Self {
-        let (breaker, retry) = (&settings.circuit_breaker, &settings.retry);
         let own = settings.downstreams.get(service);
-        let base = own.base_url.as_str().trim_end_matches('/');
+        let own = Own {
+            base_url: own.base_url.as_str(),
+            timeout: own.timeout,
+            max_concurrency: own.max_concurrency.get(),
+            hedge_after: own.hedge_after,
+        };
+        Self::build(service, STABLE.into(), own, settings, client, queue_delay)
+    }
+
+    /// The client for one variant of `service`: an instance of its own, with a connection pool
+    /// of its own (a pool shared with stable would let a hanging canary hold connections that
+    /// stable's calls then wait for), compared with stable over `window`.
+    pub(crate) fn variant(
+        service: Service,
+        name: &str,
+        variant: &VariantSettings,
+        settings: &Settings,
+        queue_delay: QueueDelay,
+        window: Duration,
+    ) -> anyhow::Result<Self> {
+        let client = build_client(&HttpClientSettings {
+            pool_max_idle_per_host: variant.pool_max_idle_per_host,
+            ..settings.http_client.clone()
+        })?;
+        let own = Own {
+            base_url: variant.base_url.as_str(),
+            timeout: variant.timeout,
+            max_concurrency: variant.max_concurrency.get(),
+            hedge_after: variant.hedge_after,
+        };
+        let built = Self::build(service, name.into(), own, settings, client, queue_delay);
+        built.compare_over(window);
+        Ok(built)
+    }
+
+    fn build(
+        service: Service,
+        variant: Arc<str>,
+        own: Own<'_>,
+        settings: &Settings,
+        client: reqwest::Client,
+        queue_delay: QueueDelay,
+    ) -> Self {
+        let (breaker, retry) = (&settings.circuit_breaker, &settings.retry);
+        let base = own.base_url.trim_end_matches('/');
         Self {
             service,
+            variant_header: HeaderValue::from_str(&variant)
+                .unwrap_or_else(|_| HeaderValue::from_static(STABLE)),
+            metrics: Instruments::register(service, &variant),
+            window: OnceLock::new(),
             prefix: format!("{base}/{service}/"),
             timeout: own.timeout,
             hedge_after: own.hedge_after,
-            bulkhead: Arc::new(Semaphore::new(own.max_concurrency.get())),
+            bulkhead: Arc::new(Semaphore::new(own.max_concurrency)),
+            max_concurrency: own.max_concurrency,
             breaker: Breaker::new(
                 service.as_str(),
+                Arc::clone(&variant),
                 breaker.clone(),
-                metrics::gauge!(CIRCUIT_STATE.name, "downstream" => service.as_str()),
+                metrics::gauge!(CIRCUIT_STATE.name, "downstream" => service.as_str(), "variant" => variant.to_string()),
             ),
+            variant,
             retry: retry.clone(),
             retry_budget: TpsBudget::new(
                 Duration::from_secs(10),
@@ -330,12 +409,32 @@ impl Downstream {
             client,
             request_deadline: settings.server.request_deadline,
             queue_delay,
-            metrics: Instruments::register(service),
         }
     }
 
     pub fn service(&self) -> Service {
         self.service
+    }
+
+    /// `stable`, or the variant's name.
+    pub fn variant_name(&self) -> &str {
+        &self.variant
+    }
+
+    /// Starts the live comparison (once; later calls keep the first window): from now on each
+    /// call is counted in the window and carries [`VARIANT_HEADER`].
+    pub(crate) fn compare_over(&self, window: Duration) {
+        self.window.get_or_init(|| Window::new(window));
+    }
+
+    /// The live comparison's window, once the downstream has variants.
+    pub fn window(&self) -> Option<&Window> {
+        self.window.get()
+    }
+
+    /// Calls in flight (bulkhead permits taken).
+    pub fn in_flight(&self) -> usize {
+        self.max_concurrency - self.bulkhead.available_permits()
     }
 
     pub fn breaker_state(&self) -> breaker::State {
@@ -356,6 +455,7 @@ impl Downstream {
             otel.kind = "client",
             http.request.method = "GET",
             server.address = self.service.as_str(),
+            service.version = &*self.variant,
             downstream = self.service.as_str(),
             http.response.status_code = tracing::field::Empty,
             outcome = tracing::field::Empty,
@@ -367,7 +467,11 @@ impl Downstream {
             Err(e) => e.outcome(),
         };
         span.record("outcome", outcome.as_str());
-        self.metrics.record(outcome, started.elapsed());
+        let elapsed = started.elapsed();
+        self.metrics.record(outcome, elapsed);
+        if let Some(window) = self.window.get() {
+            window.record(outcome, elapsed);
+        }
         result
     }
 
@@ -507,6 +611,9 @@ impl Downstream {
         }
         if let Some(tracestate) = tracestate {
             request = request.header("tracestate", tracestate);
+        }
+        if self.window.get().is_some() {
+            request = request.header(VARIANT_HEADER, self.variant_header.clone());
         }
         let exchange = async {
             let response = request

@@ -202,7 +202,10 @@ impl Drop for Finish<'_> {
         };
         self.telemetry
             .record_request(route, &self.method, status, elapsed);
-        let user_id = context::current().and_then(|c| c.user_id());
+        let ctx = context::current();
+        let user_id = ctx.as_ref().and_then(|c| c.user_id());
+        // Where the parts went, when any went to a variant (grey releases).
+        let variants = ctx.as_ref().and_then(|c| c.variants());
         if telemetry::otel_active() {
             // The exported server span's attributes; the log line below carries the same
             // values. An i64: OpenTelemetry has no unsigned integers, and a u64 is exported as
@@ -228,6 +231,7 @@ impl Drop for Finish<'_> {
                 status,
                 route,
                 user_id,
+                variants,
                 latency_ms,
                 "request abandoned by the client"
             );
@@ -236,6 +240,7 @@ impl Drop for Finish<'_> {
                 status,
                 route,
                 user_id,
+                variants,
                 latency_ms,
                 error,
                 "request completed"

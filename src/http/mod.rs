@@ -6,6 +6,7 @@
 //! port at all: it is served, with copies of the health routes, by [`ops_router`] on
 //! `server.ops_listen`.
 
+pub mod admin;
 mod dashboard;
 mod edge;
 mod extract;
@@ -23,7 +24,7 @@ use tower::ServiceBuilder;
 
 use crate::{
     admission::Admission, config::Settings, db::Db, downstream::Downstreams, error::ApiError,
-    fanout::FanoutMetrics, ratelimit::RateLimiter, telemetry::Telemetry,
+    fanout::FanoutMetrics, ratelimit::RateLimiter, routing::Routing, telemetry::Telemetry,
 };
 
 /// The admission-controlled routes; the edge matches them by path before the router runs.
@@ -37,6 +38,8 @@ pub struct AppState {
     pub settings: Arc<Settings>,
     pub db: Db,
     pub downstreams: Arc<Downstreams>,
+    /// Grey releases: which deployment of each downstream serves a request.
+    pub routing: Arc<Routing>,
     pub admission: Option<Arc<Admission>>,
     pub(crate) rate_limiter: Option<Arc<RateLimiter>>,
     pub(crate) telemetry: Arc<Telemetry>,
