@@ -91,6 +91,8 @@ pub struct Seen {
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
     pub budget_ms: Option<u64>,
+    /// The gateway's `x-tributary-variant`: which variant (grey release) it meant to call.
+    pub variant: Option<String>,
 }
 
 #[derive(Debug, Default, Serialize, Clone)]
@@ -224,6 +226,7 @@ async fn serve(
         traceparent: header("traceparent"),
         tracestate: header("tracestate"),
         budget_ms: header("x-request-budget-ms").and_then(|v| v.parse().ok()),
+        variant: header("x-tributary-variant"),
     });
 
     let delay = {

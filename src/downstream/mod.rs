@@ -208,19 +208,19 @@ pub(crate) fn build_client(settings: &HttpClientSettings) -> anyhow::Result<reqw
 
 pub(crate) const REQUEST_DURATION: Family = Family::seconds(
     "tributary_downstream_request_duration_seconds",
-    "Duration of downstream calls, by service and outcome.",
+    "Duration of downstream calls, by service, variant (stable, or a configured grey-release variant) and outcome.",
 );
 pub(crate) const REQUESTS: Family = Family::counter(
     "tributary_downstream_requests_total",
-    "Downstream calls by service and outcome (ok, error, timeout, shed, circuit_open, budget_exhausted).",
+    "Downstream calls by service, variant (stable, or a configured grey-release variant) and outcome (ok, error, timeout, shed, circuit_open, budget_exhausted).",
 );
 pub(crate) const IN_FLIGHT: Family = Family::gauge(
     "tributary_downstream_in_flight",
-    "Downstream calls in flight per service (bulkhead occupancy).",
+    "Downstream calls in flight per service and variant (bulkhead occupancy).",
 );
 pub(crate) const CIRCUIT_STATE: Family = Family::gauge(
     "tributary_downstream_circuit_state",
-    "Circuit breaker state per service: 0 closed, 1 half-open, 2 open.",
+    "Circuit breaker state per service and variant: 0 closed, 1 half-open, 2 open.",
 );
 pub(crate) const RETRIES: Family = Family::counter(
     "tributary_downstream_retries_total",

@@ -5,6 +5,7 @@ mod chaos;
 mod cli;
 mod context;
 mod dashboard;
+mod grey;
 mod health;
 mod helpers;
 mod observability;
