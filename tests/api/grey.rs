@@ -267,9 +267,12 @@ async fn a_hanging_canary_fills_its_own_bulkhead_and_stable_calls_keep_succeedin
         },
     );
     let app = spawn_app_with(|s| {
+        // Long enough that the two hung calls are still hanging while the checks below run on
+        // a loaded machine; they end on the canary's own timeout.
+        s.server.request_deadline = Duration::from_secs(6);
         s.downstreams.carts.variants.insert(
             name("hang-canary"),
-            variant_at(&canary, json!({"max_concurrency": 2, "timeout": "1s"})),
+            variant_at(&canary, json!({"max_concurrency": 2, "timeout": "5s"})),
         );
         s.downstreams.carts.rules = rules(json!([
             {"variant": "hang-canary", "header": "x-gray-version", "equals": "v2"}
@@ -498,16 +501,19 @@ async fn a_request_in_flight_across_a_reload_finishes_on_the_variant_it_started_
     canary.sim.set(
         Service::Carts,
         Behaviour {
-            latency: Duration::from_millis(700),
+            // Long enough that the reload below lands while the call is still in flight,
+            // even on a loaded machine.
+            latency: Duration::from_secs(3),
             ..Behaviour::default()
         },
     );
     let file = ConfigFile::new();
     let app = spawn_app_with(|s| {
         s.routing.admin = true;
+        s.server.request_deadline = Duration::from_secs(6);
         s.downstreams.carts.variants.insert(
             name("canary"),
-            variant_at(&canary, json!({"timeout": "1400ms"})),
+            variant_at(&canary, json!({"timeout": "5s"})),
         );
         s.downstreams.carts.rules = rules(json!([
             {"variant": "canary", "header": "x-gray-version", "equals": "v2"}
@@ -528,6 +534,11 @@ async fn a_request_in_flight_across_a_reload_finishes_on_the_variant_it_started_
         // The new configuration has no variant at all.
         file.write("[downstreams.carts]\ntimeout = \"500ms\"\n");
         assert_eq!(reload(&app).await.0, 200);
+        assert_eq!(
+            canary.sim.stats(Service::Carts).in_flight,
+            1,
+            "the reload landed while the call was in flight"
+        );
     };
     let ((status, body), ()) = futures::future::join(in_flight, reload_meanwhile).await;
     assert_eq!(status, 200);
