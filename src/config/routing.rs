@@ -200,7 +200,10 @@ impl HeaderMatch {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Match {
     /// A request header (by the caller: testers, a client build).
-    Header { name: HeaderName, value: HeaderMatch },
+    Header {
+        name: HeaderName,
+        value: HeaderMatch,
+    },
     /// Listed user ids and inclusive ranges of them (staff, beta users).
     Users {
         ids: Vec<i64>,
@@ -447,8 +450,9 @@ mod tests {
 
     #[test]
     fn each_kind_of_rule_parses() {
-        let r = rule("[rule]\nvariant = \"canary\"\nheader = \"X-Gray-Version\"\nmatches = \"^v2\"")
-            .unwrap();
+        let r =
+            rule("[rule]\nvariant = \"canary\"\nheader = \"X-Gray-Version\"\nmatches = \"^v2\"")
+                .unwrap();
         let Match::Header { name, value } = &r.when else {
             panic!("{r:?}")
         };
@@ -471,17 +475,32 @@ mod tests {
     fn malformed_rules_are_refused_with_one_line() {
         for (toml, expect) in [
             ("variant = \"c\"", "exactly one of"),
-            ("variant = \"c\"\npercent = 5\nuser_ids = [1]", "exactly one of"),
-            ("variant = \"c\"\nheader = \"x\"", "exactly one of equals or matches"),
-            ("variant = \"c\"\nheader = \"x\"\nmatches = \"(\"", "not a valid regex"),
-            ("variant = \"c\"\nheader = \"bad header\"\nequals = \"1\"", "not a valid header name"),
+            (
+                "variant = \"c\"\npercent = 5\nuser_ids = [1]",
+                "exactly one of",
+            ),
+            (
+                "variant = \"c\"\nheader = \"x\"",
+                "exactly one of equals or matches",
+            ),
+            (
+                "variant = \"c\"\nheader = \"x\"\nmatches = \"(\"",
+                "not a valid regex",
+            ),
+            (
+                "variant = \"c\"\nheader = \"bad header\"\nequals = \"1\"",
+                "not a valid header name",
+            ),
             ("variant = \"c\"\npercent = 101", "between 0 and 100"),
             ("variant = \"c\"\npercent = 1.234", "two decimals"),
             ("variant = \"c\"\nuser_ranges = [[5, 1]]", "from <= to"),
             ("variant = \"c\"\nuser_ids = [0]", "positive"),
             ("variant = \"stable\"\npercent = 1", "not a variant"),
             ("variant = \"Canary\"\npercent = 1", "not a variant name"),
-            ("variant = \"c\"\nequals = \"v\"\npercent = 1", "go with header"),
+            (
+                "variant = \"c\"\nequals = \"v\"\npercent = 1",
+                "go with header",
+            ),
         ] {
             let err = rule(&format!("[rule]\n{toml}")).expect_err(toml);
             assert!(err.contains(expect), "{toml}: {err}");

@@ -113,7 +113,11 @@ impl Window {
         let mut calls = 0;
         let mut failures = 0;
         let mut latency = [0u64; BOUNDS.len()];
-        for slot in inner.slots.iter().filter(|s| s.epoch + (SLOTS as u64) > now) {
+        for slot in inner
+            .slots
+            .iter()
+            .filter(|s| s.epoch + (SLOTS as u64) > now)
+        {
             calls += slot.calls;
             failures += slot.failures;
             for (sum, n) in latency.iter_mut().zip(slot.latency) {

@@ -38,13 +38,8 @@ pub(super) async fn get_dashboard(
             ctx.set_variants(tag);
         }
     }
-    let (dashboard, timings) = fanout::dashboard(
-        &route,
-        &state.db,
-        &state.fanout_metrics,
-        user_id,
-    )
-    .await?;
+    let (dashboard, timings) =
+        fanout::dashboard(&route, &state.db, &state.fanout_metrics, user_id).await?;
     let mut response = Json(dashboard).into_response();
     if let Ok(v) = HeaderValue::from_str(&timings.header_value()) {
         response.headers_mut().insert(SERVER_TIMING.clone(), v);

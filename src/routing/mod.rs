@@ -108,11 +108,12 @@ impl Instance {
         let mut current = self.lock();
         self.takes_percent
             .store(status == Status::Active, Ordering::Relaxed);
-        self.rolled_back.set(if matches!(status, Status::RolledBack(_)) {
-            1.0
-        } else {
-            0.0
-        });
+        self.rolled_back
+            .set(if matches!(status, Status::RolledBack(_)) {
+                1.0
+            } else {
+                0.0
+            });
         *current = status;
     }
 
@@ -142,8 +143,14 @@ struct Compiled {
 }
 
 enum When {
-    Header { index: usize, value: HeaderMatch },
-    Users { ids: Vec<i64>, ranges: Vec<(i64, i64)> },
+    Header {
+        index: usize,
+        value: HeaderMatch,
+    },
+    Users {
+        ids: Vec<i64>,
+        ranges: Vec<(i64, i64)>,
+    },
     Percent(u32),
 }
 
@@ -236,9 +243,7 @@ impl Route<'_> {
         if let Some((table, picks)) = &self.picked
             && let Some(i) = picks[service as usize]
         {
-            return &table.services[service as usize].variants[i]
-                .instance
-                .client;
+            return &table.services[service as usize].variants[i].instance.client;
         }
         self.stable.get(service)
     }
@@ -334,7 +339,11 @@ impl Routing {
             return None;
         }
         let table = self.snapshot();
-        let values = table.headers.iter().map(|h| headers.get(h).cloned()).collect();
+        let values = table
+            .headers
+            .iter()
+            .map(|h| headers.get(h).cloned())
+            .collect();
         Some(Captured { table, values })
     }
 
@@ -342,8 +351,8 @@ impl Routing {
     pub fn route(&self, captured: Option<Captured>, user_id: i64) -> Route<'_> {
         let picked = captured.map(|Captured { table, values }| {
             let bucket = bucket(user_id);
-            let picks = Service::ALL
-                .map(|s| table.services[s as usize].pick(&values, user_id, bucket));
+            let picks =
+                Service::ALL.map(|s| table.services[s as usize].pick(&values, user_id, bucket));
             (table, picks)
         });
         Route {
@@ -681,6 +690,10 @@ mod tests {
             assert!((inside - want).abs() < 0.01, "{share}: {inside}");
         }
         // Monotone in the share: everyone under 10 % is also under 50 %.
-        assert!((1..=n).filter(|u| bucket(*u) < 1_000).all(|u| bucket(u) < 5_000));
+        assert!(
+            (1..=n)
+                .filter(|u| bucket(*u) < 1_000)
+                .all(|u| bucket(u) < 5_000)
+        );
     }
 }

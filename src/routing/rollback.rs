@@ -125,7 +125,10 @@ mod tests {
         let stable = stats(1000, 10, 20.0);
         assert_eq!(verdict(&stats(49, 49, 20.0), &stable, &settings()), None);
         let why = verdict(&stats(100, 20, 20.0), &stable, &settings()).unwrap();
-        assert!(why.contains("error ratio 20.0 %") && why.contains("stable's 1.0 %"), "{why}");
+        assert!(
+            why.contains("error ratio 20.0 %") && why.contains("stable's 1.0 %"),
+            "{why}"
+        );
         assert_eq!(
             verdict(&stats(100, 5, 20.0), &stable, &settings()),
             None,
@@ -137,7 +140,10 @@ mod tests {
     fn a_slower_p99_rolls_back_only_against_a_stable_baseline() {
         let why = verdict(&stats(100, 0, 300.0), &stats(100, 0, 50.0), &settings()).unwrap();
         assert!(why.contains("p99 300 ms"), "{why}");
-        assert_eq!(verdict(&stats(100, 0, 140.0), &stats(100, 0, 50.0), &settings()), None);
+        assert_eq!(
+            verdict(&stats(100, 0, 140.0), &stats(100, 0, 50.0), &settings()),
+            None
+        );
         assert_eq!(
             verdict(&stats(100, 0, 300.0), &stats(10, 0, 50.0), &settings()),
             None,

@@ -55,12 +55,17 @@ fn calls(sim: &SimHandle, service: Service) -> Vec<(i64, Option<String>)> {
 }
 
 async fn dashboard_with(app: &TestApp, user: i64, header: Option<(&str, &str)>) -> (u16, Value) {
-    let mut request = app.client.get(app.url(&format!("/api/v1/dashboard/{user}")));
+    let mut request = app
+        .client
+        .get(app.url(&format!("/api/v1/dashboard/{user}")));
     if let Some((k, v)) = header {
         request = request.header(k, v);
     }
     let resp = request.send().await.expect("request");
-    (resp.status().as_u16(), resp.json().await.unwrap_or(Value::Null))
+    (
+        resp.status().as_u16(),
+        resp.json().await.unwrap_or(Value::Null),
+    )
 }
 
 /// A configuration file of the test's own, removed when dropped.
@@ -116,7 +121,10 @@ async fn reload(app: &TestApp) -> (u16, Value) {
         .send()
         .await
         .expect("reload");
-    (resp.status().as_u16(), resp.json().await.unwrap_or(Value::Null))
+    (
+        resp.status().as_u16(),
+        resp.json().await.unwrap_or(Value::Null),
+    )
 }
 
 #[tokio::test]
@@ -137,13 +145,20 @@ async fn a_header_rule_sends_that_part_to_the_canary_and_the_colour_follows_the_
     assert_eq!(status, 200, "{body}");
     assert!(degraded(&body).is_empty(), "{body}");
     assert_eq!(body["cart"]["user_id"], 3);
-    assert_eq!(calls(&canary, Service::Carts), [(3, Some("hdr-canary".into()))]);
+    assert_eq!(
+        calls(&canary, Service::Carts),
+        [(3, Some("hdr-canary".into()))]
+    );
     assert!(
         calls(&canary, Service::Users).is_empty(),
         "only the part with a variant moves"
     );
 
-    for version in [None, Some(("x-gray-version", "v1")), Some(("x-gray-version", "xv2"))] {
+    for version in [
+        None,
+        Some(("x-gray-version", "v1")),
+        Some(("x-gray-version", "xv2")),
+    ] {
         let (status, _) = dashboard_with(&app, 4, version).await;
         assert_eq!(status, 200);
     }
@@ -155,7 +170,9 @@ async fn a_header_rule_sends_that_part_to_the_canary_and_the_colour_follows_the_
         "a downstream with variants names the stable one too: {stable:?}"
     );
     assert!(
-        calls(&app.sim, Service::Users).iter().all(|(_, v)| v.is_none()),
+        calls(&app.sim, Service::Users)
+            .iter()
+            .all(|(_, v)| v.is_none()),
         "a downstream without variants sends no variant header"
     );
 
@@ -168,14 +185,22 @@ async fn a_header_rule_sends_that_part_to_the_canary_and_the_colour_follows_the_
     let ok = app
         .metric(
             "tributary_downstream_requests_total",
-            &[("downstream", "carts"), ("variant", "hdr-canary"), ("outcome", "ok")],
+            &[
+                ("downstream", "carts"),
+                ("variant", "hdr-canary"),
+                ("outcome", "ok"),
+            ],
         )
         .await;
     assert_eq!(ok, 1.0);
     let stable_ok = app
         .metric(
             "tributary_downstream_requests_total",
-            &[("downstream", "users"), ("variant", "stable"), ("outcome", "ok")],
+            &[
+                ("downstream", "users"),
+                ("variant", "stable"),
+                ("outcome", "ok"),
+            ],
         )
         .await;
     assert!(stable_ok >= 4.0, "{stable_ok}");
@@ -186,8 +211,12 @@ async fn user_lists_and_ranges_route_in_rule_order() {
     let canary = canary_sim().await;
     let app = spawn_app_with(|s| {
         let carts = &mut s.downstreams.carts;
-        carts.variants.insert(name("a"), variant_at(&canary, json!({})));
-        carts.variants.insert(name("b"), variant_at(&canary, json!({})));
+        carts
+            .variants
+            .insert(name("a"), variant_at(&canary, json!({})));
+        carts
+            .variants
+            .insert(name("b"), variant_at(&canary, json!({})));
         carts.rules = rules(json!([
             {"variant": "a", "header": "x-gray-version", "equals": "v2"},
             {"variant": "b", "user_ids": [7], "user_ranges": [[100, 110]]}
@@ -197,7 +226,12 @@ async fn user_lists_and_ranges_route_in_rule_order() {
     for user in [7, 8, 99, 100, 105, 110, 111] {
         assert_eq!(dashboard_with(&app, user, None).await.0, 200);
     }
-    assert_eq!(dashboard_with(&app, 105, Some(("x-gray-version", "v2"))).await.0, 200);
+    assert_eq!(
+        dashboard_with(&app, 105, Some(("x-gray-version", "v2")))
+            .await
+            .0,
+        200
+    );
     assert_eq!(
         calls(&canary, Service::Carts),
         [
@@ -240,8 +274,15 @@ async fn a_percentage_takes_its_share_of_users_and_each_user_stays_where_the_has
         .map(|c| c.0)
         .collect();
     on_canary.sort_unstable();
-    let expected: Vec<i64> = users.iter().copied().filter(|u| bucket(*u) < 3000).collect();
-    assert_eq!(on_canary, expected, "each user where the fixed hash puts them");
+    let expected: Vec<i64> = users
+        .iter()
+        .copied()
+        .filter(|u| bucket(*u) < 3000)
+        .collect();
+    assert_eq!(
+        on_canary, expected,
+        "each user where the fixed hash puts them"
+    );
     let share = on_canary.len() as f64 / users.len() as f64;
     assert!((0.22..=0.38).contains(&share), "share {share}");
 
@@ -312,7 +353,11 @@ async fn a_hanging_canary_fills_its_own_bulkhead_and_stable_calls_keep_succeedin
         assert_eq!(
             app.metric(
                 "tributary_downstream_requests_total",
-                &[("downstream", "carts"), ("variant", "hang-canary"), ("outcome", "shed")]
+                &[
+                    ("downstream", "carts"),
+                    ("variant", "hang-canary"),
+                    ("outcome", "shed")
+                ]
             )
             .await,
             1.0
@@ -473,7 +518,10 @@ async fn a_valid_file_reloads_the_routing_and_an_invalid_one_is_refused() {
     dashboard_with(&app, 3, gray).await;
     assert_eq!(calls(&canary, Service::Carts).len(), 2);
     let table: Value = app.ops_get("/admin/routing").await.json().await.unwrap();
-    assert_eq!(table["downstreams"]["carts"]["variants"][0]["name"], "canary");
+    assert_eq!(
+        table["downstreams"]["carts"]["variants"][0]["name"],
+        "canary"
+    );
 
     let (status, body) = {
         file.write("[downstreams.carts]\ntimeout = \"not a duration\"\n");
@@ -549,7 +597,10 @@ async fn a_request_in_flight_across_a_reload_finishes_on_the_variant_it_started_
     // The next request with the same header goes to stable.
     dashboard_with(&app, 9, gray).await;
     assert_eq!(canary.sim.stats(Service::Carts).requests, 1);
-    assert_eq!(calls(&app.sim, Service::Carts), [(9, Some("stable".into()))]);
+    assert_eq!(
+        calls(&app.sim, Service::Carts),
+        [(9, Some("stable".into()))]
+    );
     let table: Value = app.ops_get("/admin/routing").await.json().await.unwrap();
     assert_eq!(table["active"], false, "{table}");
 }
@@ -565,4 +616,52 @@ async fn the_admin_routes_are_off_by_default() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 404);
+}
+
+#[test]
+fn check_config_validates_a_file_with_variants_and_refuses_a_bad_one_in_one_line() {
+    let run = |text: &str| {
+        let file = ConfigFile::new();
+        file.write(text);
+        std::process::Command::new(env!("CARGO_BIN_EXE_tributary"))
+            .args(["--config", file.0.to_str().unwrap(), "check-config"])
+            .env_clear()
+            .output()
+            .expect("the tributary binary runs")
+    };
+    let good = run(r#"
+[downstreams.carts.variants.canary]
+base_url = "http://carts-canary:8080"
+
+[[downstreams.carts.rules]]
+variant = "canary"
+percent = 10
+"#);
+    assert!(
+        good.status.success(),
+        "{}",
+        String::from_utf8_lossy(&good.stderr)
+    );
+    let printed: Value = serde_json::from_slice(&good.stdout).unwrap();
+    assert_eq!(
+        printed["downstreams"]["carts"]["rules"],
+        json!([{"variant": "canary", "percent": 10.0}])
+    );
+
+    let bad = run(r#"
+[downstreams.carts.variants.canary]
+base_url = "http://carts-canary:8080"
+
+[[downstreams.carts.rules]]
+variant = "canary"
+header = "x-gray-version"
+matches = "^v2("
+"#);
+    assert_eq!(bad.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("downstreams.carts.rules") && stderr.contains("not a valid regex"),
+        "{stderr}"
+    );
 }
