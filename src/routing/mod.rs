@@ -151,7 +151,12 @@ enum When {
         ids: Vec<i64>,
         ranges: Vec<(i64, i64)>,
     },
-    Percent(u32),
+    /// Buckets `from..to`: a downstream's percentage rules take consecutive stretches of
+    /// buckets, so two variants at 10 % each get different users.
+    Percent {
+        from: u32,
+        to: u32,
+    },
 }
 
 #[derive(Default)]
@@ -176,8 +181,9 @@ impl Routes {
                     ids.binary_search(&user_id).is_ok()
                         || ranges.iter().any(|(a, b)| (*a..=*b).contains(&user_id))
                 }
-                When::Percent(points) => {
-                    bucket < *points && variant.instance.takes_percent.load(Ordering::Relaxed)
+                When::Percent { from, to } => {
+                    (*from..*to).contains(&bucket)
+                        && variant.instance.takes_percent.load(Ordering::Relaxed)
                 }
             };
             hit.then_some(rule.variant)
@@ -187,7 +193,7 @@ impl Routes {
     fn has_percent_rule(&self, variant: usize) -> bool {
         self.rules
             .iter()
-            .any(|r| r.variant == variant && matches!(r.when, When::Percent(_)))
+            .any(|r| r.variant == variant && matches!(r.when, When::Percent { .. }))
     }
 }
 
@@ -405,6 +411,7 @@ impl Routing {
             if !own.variants.is_empty() {
                 self.stable.get(service).compare_over(window);
             }
+            let mut next_bucket = 0;
             for rule in &own.rules {
                 // Validation guarantees the variant exists; a rule that names none is dropped.
                 let Some(variant) = routes.variants.iter().position(|v| v.name == rule.variant)
@@ -426,7 +433,14 @@ impl Routing {
                         ids: ids.clone(),
                         ranges: ranges.clone(),
                     },
-                    Match::Percent(p) => When::Percent(p.basis_points()),
+                    Match::Percent(p) => {
+                        let from = next_bucket;
+                        next_bucket = (from + p.basis_points()).min(10_000);
+                        When::Percent {
+                            from,
+                            to: next_bucket,
+                        }
+                    }
                 };
                 routes.rules.push(Compiled { variant, when });
             }
@@ -601,9 +615,11 @@ impl Routing {
                     When::Users { ids, ranges } => {
                         json!({"variant": variant, "user_ids": ids, "user_ranges": ranges})
                     }
-                    When::Percent(p) => {
-                        json!({"variant": variant, "percent": f64::from(*p) / 100.0})
-                    }
+                    When::Percent { from, to } => json!({
+                        "variant": variant,
+                        "percent": f64::from(to - from) / 100.0,
+                        "buckets": [from, to],
+                    }),
                 }
             })
             .collect()

@@ -254,11 +254,17 @@ async fn user_lists_and_ranges_route_in_rule_order() {
 async fn a_percentage_takes_its_share_of_users_and_each_user_stays_where_the_hash_puts_them() {
     let canary = canary_sim().await;
     let app = spawn_app_with(|s| {
-        s.downstreams
-            .carts
+        let carts = &mut s.downstreams.carts;
+        carts
             .variants
             .insert(name("canary"), variant_at(&canary, json!({})));
-        s.downstreams.carts.rules = rules(json!([{"variant": "canary", "percent": 30}]));
+        carts
+            .variants
+            .insert(name("second"), variant_at(&canary, json!({})));
+        carts.rules = rules(json!([
+            {"variant": "canary", "percent": 30},
+            {"variant": "second", "percent": 20}
+        ]));
     })
     .await;
     let users: Vec<i64> = (1..=300).collect();
@@ -269,32 +275,43 @@ async fn a_percentage_takes_its_share_of_users_and_each_user_stays_where_the_has
             assert_eq!(status, 200, "{body}");
         }
     }
-    let mut on_canary: Vec<i64> = calls(&canary, Service::Carts)
-        .into_iter()
-        .map(|c| c.0)
-        .collect();
-    on_canary.sort_unstable();
-    let expected: Vec<i64> = users
-        .iter()
-        .copied()
-        .filter(|u| bucket(*u) < 3000)
-        .collect();
+    let on = |variant: &str| {
+        let mut users: Vec<i64> = calls(&canary, Service::Carts)
+            .into_iter()
+            .filter(|c| c.1.as_deref() == Some(variant))
+            .map(|c| c.0)
+            .collect();
+        users.sort_unstable();
+        users
+    };
+    let in_buckets = |range: std::ops::Range<u32>| -> Vec<i64> {
+        users
+            .iter()
+            .copied()
+            .filter(|u| range.contains(&bucket(*u)))
+            .collect()
+    };
+    let expected = in_buckets(0..3000);
     assert_eq!(
-        on_canary, expected,
+        on("canary"),
+        expected,
         "each user where the fixed hash puts them"
     );
-    let share = on_canary.len() as f64 / users.len() as f64;
+    let share = expected.len() as f64 / users.len() as f64;
     assert!((0.22..=0.38).contains(&share), "share {share}");
+    // The second share takes the next stretch of buckets: other users.
+    assert_eq!(on("second"), in_buckets(3000..5000));
 
     // Sticky: the same users, again and again, land on the same side.
-    let (inside, outside) = (expected[0], (1..).find(|u| bucket(*u) >= 3000).unwrap());
+    let (inside, outside) = (expected[0], (1..).find(|u| bucket(*u) >= 5000).unwrap());
     for _ in 0..5 {
         dashboard_with(&app, inside, None).await;
         dashboard_with(&app, outside, None).await;
     }
     let canary_calls = calls(&canary, Service::Carts);
-    assert_eq!(canary_calls.iter().filter(|c| c.0 == inside).count(), 6);
-    assert_eq!(canary_calls.iter().filter(|c| c.0 == outside).count(), 0);
+    let of = |user: i64| canary_calls.iter().filter(|c| c.0 == user).count();
+    assert_eq!(of(inside), 6);
+    assert_eq!(of(outside), 0);
 }
 
 #[tokio::test]
