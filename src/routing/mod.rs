@@ -494,13 +494,21 @@ impl Routing {
             .map_err(|e| format!("the configuration could not be loaded: {e}"))
             .and_then(|r| r.map_err(|e| e.to_string()));
         let applied = loaded.and_then(|settings| {
+            let unreloaded = unreloaded_changes(&self.base, &settings);
             self.apply(&settings)
+                .map(|generation| (generation, unreloaded))
                 .map_err(|e| format!("the new routing could not be built: {e:#}"))
         });
         match applied {
-            Ok(generation) => {
+            Ok((generation, unreloaded)) => {
                 self.reloads[0].increment(1);
                 tracing::info!(trigger, generation, "routing reloaded");
+                if !unreloaded.is_empty() {
+                    tracing::warn!(
+                        sections = %unreloaded.join(", "),
+                        "the configuration also changed outside the routing; those changes need a restart"
+                    );
+                }
                 Ok(generation)
             }
             Err(reason) => {
@@ -645,6 +653,40 @@ impl Routing {
     }
 }
 
+/// The sections of `new` that differ from the running `base` outside what a reload applies
+/// (`downstreams.carts`, `server`, ...): they take effect only after a restart. Compared as
+/// printed, so a changed secret (printed as `***`) is not noticed.
+fn unreloaded_changes(base: &Settings, new: &Settings) -> Vec<String> {
+    let strip = |s: &Settings| {
+        let mut s = s.clone();
+        s.routing = RoutingSettings::default();
+        for service in Service::ALL {
+            let d = s.downstreams.get_mut(service);
+            d.variants.clear();
+            d.rules.clear();
+        }
+        serde_json::to_value(&s).unwrap_or_default()
+    };
+    let (base, new) = (strip(base), strip(new));
+    let mut changed = Vec::new();
+    if let (Value::Object(base), Value::Object(new)) = (&base, &new) {
+        for (section, value) in new {
+            match (section.as_str(), base.get(section), value) {
+                ("downstreams", Some(Value::Object(old)), Value::Object(now)) => {
+                    for (service, v) in now {
+                        if old.get(service) != Some(v) {
+                            changed.push(format!("downstreams.{service}"));
+                        }
+                    }
+                }
+                (_, old, _) if old != Some(value) => changed.push(section.clone()),
+                _ => {}
+            }
+        }
+    }
+    changed
+}
+
 #[cfg(unix)]
 async fn reload_on_sighup(routing: Arc<Routing>, stop: CancellationToken) {
     use tokio::signal::unix::{SignalKind, signal};
@@ -694,6 +736,21 @@ async fn reload_on_change(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reload_names_the_changes_it_does_not_apply() {
+        let base = Settings::default();
+        let mut new = base.clone();
+        new.routing.rollback.min_calls = 7;
+        new.downstreams.carts.rules = Vec::new();
+        assert!(unreloaded_changes(&base, &new).is_empty(), "routing only");
+        new.server.request_deadline = Duration::from_secs(3);
+        new.downstreams.carts.timeout = Duration::from_secs(3);
+        assert_eq!(
+            unreloaded_changes(&base, &new),
+            ["downstreams.carts", "server"]
+        );
+    }
 
     #[test]
     fn buckets_are_fixed_and_spread_evenly() {
