@@ -251,19 +251,28 @@ pub(crate) fn chain(e: &dyn std::error::Error) -> String {
 }
 
 /// RFC 9457 problem details.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub(crate) struct Problem {
+    /// A relative URI naming the kind of problem, e.g. `/problems/validation`.
     #[serde(rename = "type")]
+    #[schema(example = "/problems/validation")]
     pub kind: String,
+    /// The status's reason phrase.
+    #[schema(value_type = String, example = "Bad Request")]
     pub title: &'static str,
+    #[schema(minimum = 400, maximum = 599)]
     pub status: u16,
+    /// What was wrong, for a person.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     pub detail: Option<String>,
-    /// Extension member: which input was wrong.
+    /// Extension member: which input was wrong (`items[0].quantity`, `Idempotency-Key`).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     pub field: Option<String>,
     /// Extension member: the request id, to quote to support.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     pub request_id: Option<String>,
 }
 

@@ -43,18 +43,45 @@ pub(crate) const DEGRADED: Family = Family::counter(
 /// The families this module records.
 pub(crate) const FAMILIES: &[Family] = &[CRITICAL_PATH, GATEWAY_OVERHEAD, DEGRADED];
 
-/// The merged response.
-#[derive(Debug, Serialize)]
+/// The merged response. Each downstream's part is its JSON body, embedded as it came (any
+/// JSON value: the gateway checks that it is JSON, not its shape).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub(crate) struct Dashboard {
+    #[schema(minimum = 1)]
     pub user_id: i64,
+    /// From the users service; the required part.
+    #[schema(value_type = serde_json::Value)]
     pub profile: Box<RawValue>,
+    /// From the carts service; `null` when degraded.
+    #[schema(value_type = Option<serde_json::Value>)]
     pub cart: Option<Box<RawValue>>,
+    /// From the recommendations service; `null` when degraded.
+    #[schema(value_type = Option<serde_json::Value>)]
     pub recommendations: Option<Box<RawValue>>,
+    /// From the promotions service; `null` when degraded.
+    #[schema(value_type = Option<serde_json::Value>)]
     pub promotions: Option<Box<RawValue>>,
+    /// From the notifications service; `null` when degraded.
+    #[schema(value_type = Option<serde_json::Value>)]
     pub notifications: Option<Box<RawValue>>,
+    /// The user's five newest orders, from Postgres; `null` when degraded.
+    #[schema(max_items = 5)]
     pub recent_orders: Option<Vec<OrderSummary>>,
     /// Optional parts that failed or timed out and are `null` above.
+    #[schema(schema_with = degraded_schema)]
     pub degraded: Vec<&'static str>,
+}
+
+/// `degraded`: a list of the optional parts' names.
+fn degraded_schema() -> utoipa::openapi::Array {
+    let part = utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(Part::OPTIONAL.map(Part::field)));
+    utoipa::openapi::ArrayBuilder::new()
+        .items(part)
+        .max_items(Some(Part::OPTIONAL.len()))
+        .unique_items(true)
+        .build()
 }
 
 /// Per-part durations for `Server-Timing`.

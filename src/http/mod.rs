@@ -11,6 +11,7 @@ mod edge;
 mod extract;
 mod health;
 mod middleware;
+pub mod openapi;
 mod orders;
 pub(crate) mod pushback;
 
@@ -27,6 +28,8 @@ use crate::{
 };
 
 /// The admission-controlled routes; the edge matches them by path before the router runs.
+/// They are the paths of the handlers' `#[utoipa::path]` attributes, which register the routes
+/// (a test in `openapi` checks that the document has each).
 pub(crate) const DASHBOARD: &str = "/api/v1/dashboard/{user_id}";
 pub(crate) const ORDERS: &str = "/api/v1/orders";
 pub(crate) const ORDER: &str = "/api/v1/orders/{id}";
@@ -61,16 +64,12 @@ pub fn ops_router(state: AppState) -> Router {
 /// The whole application as a pure value: tests can drive it with `oneshot` or serve it.
 /// `extra` routes (tests, diagnostics) get the same request layers as the API.
 pub fn router(state: AppState, extra: Router<AppState>) -> Router {
-    let api = Router::new()
-        .route(DASHBOARD, get(dashboard::get_dashboard))
-        .route(ORDERS, axum::routing::post(orders::create_order))
-        .route(ORDER, get(orders::get_order))
-        .merge(extra);
-
-    // Probes are pointed at the API's port: what they check is that this port answers.
-    let ops = Router::new()
-        .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz));
+    // The API's routes and the probes (pointed at the API's port: what they check is that
+    // this port answers), each registered with its OpenAPI operation; the document is
+    // rendered now, once.
+    let (api, _) = openapi::api().split_for_parts();
+    openapi::prepare();
+    let api = api.merge(extra);
 
     // Their request counters exist at 0 from start-up (the `extra` routes of tests are not
     // known here; they appear with their first request).
@@ -91,8 +90,7 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
     });
     // A disabled feature adds no layer.
     let edge = edge.active().then(|| from_fn_with_state(edge, edge::edge));
-    api.merge(ops)
-        .fallback(|| async { ApiError::NotFound })
+    api.fallback(|| async { ApiError::NotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(
             ServiceBuilder::new()

@@ -12,7 +12,12 @@ use sha2::{Digest, Sha256};
 use super::{
     AppState,
     extract::{JsonBody, Object, PositiveId},
+    openapi::{
+        BadRequest, Conflict, GatewayTimeout, NotFound, PayloadTooLarge, RequestTimeout,
+        ServiceUnavailable, TooManyRequests, UnsupportedMediaType,
+    },
 };
+use crate::db::orders::Order;
 use crate::{
     db::orders::{CreateOutcome, NewItem, NewOrder},
     error::ApiError,
@@ -21,21 +26,32 @@ use crate::{
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
 const MAX_ITEMS: usize = 100;
 
-/// The request body as sent; validated into a [`NewOrder`]. Every field is required; they are
-/// `Option`s so that a missing one is reported by [`validate`] under its own name (serde would
-/// name the object that lacks it).
-#[derive(Debug, Deserialize)]
+// The request body as sent; validated into a `NewOrder`. Every field is required; they are
+// `Option`s so that a missing one is reported by `validate` under its own name (serde would
+// name the object that lacks it). The schema in the OpenAPI document is the one `validate`
+// enforces: every field required, with its bounds.
+/// A new order: the user and one to 100 items. Unknown fields are refused.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct CreateOrder {
+    #[schema(value_type = i64, minimum = 1)]
     pub user_id: Option<i64>,
+    #[schema(value_type = Vec<CreateItem>, min_items = 1, max_items = 100)]
     pub items: Option<Vec<Object<CreateItem>>>,
 }
 
-#[derive(Debug, Deserialize)]
+/// One line of a new order.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct CreateItem {
+    /// Printable ASCII; whitespace around it is trimmed.
+    #[schema(value_type = String, pattern = r"^[!-~]{1,64}$", example = "SKU-1")]
     pub sku: Option<String>,
+    #[schema(value_type = i32, minimum = 1, maximum = 10_000)]
     pub quantity: Option<i32>,
+    /// The order's total (the sum of quantity × unit price) must fit a signed 64-bit
+    /// integer; beyond it, a 400.
+    #[schema(value_type = i64, minimum = 0)]
     pub unit_price_cents: Option<i64>,
 }
 
@@ -136,6 +152,36 @@ fn idempotency_key(headers: &HeaderMap) -> Result<String, ApiError> {
     Ok(key.to_owned())
 }
 
+/// Creates an order, once per `Idempotency-Key`.
+///
+/// The same key with the same order replays the stored response byte for byte (with
+/// `idempotent-replayed: true`); the same key with a different order is a 409. Concurrent
+/// duplicates create exactly one order.
+#[utoipa::path(
+    post,
+    path = "/api/v1/orders",
+    tag = "orders",
+    params(
+        ("Idempotency-Key" = String, Header,
+            description = "1 to 255 printable ASCII characters, sent once; names the order for retries",
+            pattern = r"^[!-~]{1,255}$", example = "order-2026-12-01-0001"),
+    ),
+    request_body(content = CreateOrder, content_type = "application/json"),
+    responses(
+        (status = 201, description = "The order, created now or replayed for a repeated key",
+            body = Order,
+            headers(("idempotent-replayed" = String,
+                description = "`true` when this is the stored response of an earlier request with this key"))),
+        (status = 400, response = BadRequest),
+        (status = 408, response = RequestTimeout),
+        (status = 409, response = Conflict),
+        (status = 413, response = PayloadTooLarge),
+        (status = 415, response = UnsupportedMediaType),
+        (status = 429, response = TooManyRequests),
+        (status = 503, response = ServiceUnavailable),
+        (status = 504, response = GatewayTimeout),
+    ),
+)]
 pub(super) async fn create_order(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -180,6 +226,21 @@ fn stored_response(status: StatusCode, body: String, replayed: bool) -> Response
     response
 }
 
+/// Reads an order back.
+#[utoipa::path(
+    get,
+    path = "/api/v1/orders/{id}",
+    tag = "orders",
+    params(("id" = i64, Path, minimum = 1, description = "The order's id: a positive 64-bit integer, digits only")),
+    responses(
+        (status = 200, description = "The order", body = Order),
+        (status = 400, response = BadRequest),
+        (status = 404, response = NotFound),
+        (status = 429, response = TooManyRequests),
+        (status = 503, response = ServiceUnavailable),
+        (status = 504, response = GatewayTimeout),
+    ),
+)]
 pub(super) async fn get_order(
     State(state): State<AppState>,
     PositiveId(id): PositiveId,

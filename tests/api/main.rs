@@ -8,6 +8,7 @@ mod dashboard;
 mod health;
 mod helpers;
 mod observability;
+mod openapi;
 mod orders;
 mod overload;
 mod ratelimit;
