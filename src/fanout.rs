@@ -23,7 +23,7 @@ use crate::{
     db::{Db, DbError, orders::OrderSummary},
     domain::{Part, Service},
     downstream::{CallError, Downstream, Downstreams, Outcome},
-    error::ApiError,
+    error::{ApiError, chain},
     telemetry::Family,
 };
 
@@ -110,13 +110,38 @@ impl Timings {
     }
 }
 
-/// An optional part's result: its value, or how its call ended instead; and how long it took.
-type Optional<T> = (Result<T, Outcome>, Duration);
+/// An optional part's result: its value, or why it is missing; and how long it took.
+type Optional<T> = (Result<T, Miss>, Duration);
+
+/// Why an optional part is `null`: how its call ended, and the cause when it is news. A circuit
+/// that is open or a database known to be down has no cause of its own here: that was logged
+/// once, when it happened.
+#[derive(Debug)]
+struct Miss {
+    reason: Outcome,
+    cause: Option<String>,
+}
+
+impl Miss {
+    fn call(e: &CallError) -> Self {
+        let reason = e.outcome();
+        let cause = (reason != Outcome::CircuitOpen).then(|| chain(e));
+        Self { reason, cause }
+    }
+
+    fn query(e: &DbError) -> Self {
+        let cause = (!matches!(e, DbError::KnownDown)).then(|| chain(e));
+        Self {
+            reason: db_outcome(e),
+            cause,
+        }
+    }
+}
 
 async fn optional_call(d: &Downstream, user_id: i64) -> Result<Optional<Box<RawValue>>, CallError> {
     let started = Instant::now();
     let r = d.fetch_user_part(user_id).await;
-    Ok((r.map_err(|e| e.outcome()), started.elapsed()))
+    Ok((r.map_err(|e| Miss::call(&e)), started.elapsed()))
 }
 
 /// How a query for a part ended, in the downstream calls' terms.
@@ -157,17 +182,11 @@ pub(crate) async fn dashboard(
         // deadline turning the whole dashboard into a 504.
         let r = match tokio::time::timeout_at(context::deadline(), db.recent_orders(user_id)).await
         {
-            Ok(r) => r.map_err(|e| {
-                // A known outage was logged once when it began, not once per request.
-                if !matches!(e, DbError::KnownDown) {
-                    tracing::warn!(error = %e, "recent orders unavailable");
-                }
-                db_outcome(&e)
+            Ok(r) => r.map_err(|e| Miss::query(&e)),
+            Err(_) => Err(Miss {
+                reason: Outcome::Timeout,
+                cause: Some("no answer within the deadline".into()),
             }),
-            Err(_) => {
-                tracing::warn!("recent orders unavailable: no answer within the deadline");
-                Err(Outcome::Timeout)
-            }
         };
         Ok::<_, CallError>((r, t.elapsed()))
     };
@@ -193,7 +212,7 @@ pub(crate) async fn dashboard(
     let mut degraded = Vec::new();
     let mut take = |part: Part, (r, d): Optional<Box<RawValue>>| {
         timings.parts.push((part, d));
-        r.map_err(|reason| metrics.degrade(&mut degraded, part, reason))
+        r.map_err(|miss| metrics.degrade(&mut degraded, part, miss))
             .ok()
     };
     let cart = take(Part::Cart, cart);
@@ -203,7 +222,7 @@ pub(crate) async fn dashboard(
     timings.parts.push((Part::RecentOrders, recent_orders.1));
     let recent_orders = recent_orders
         .0
-        .map_err(|reason| metrics.degrade(&mut degraded, Part::RecentOrders, reason))
+        .map_err(|miss| metrics.degrade(&mut degraded, Part::RecentOrders, miss))
         .ok();
 
     metrics.record(&timings);
@@ -256,8 +275,16 @@ impl FanoutMetrics {
         }
     }
 
-    /// An optional part is null: listed in `degraded`, and counted.
-    fn degrade(&self, degraded: &mut Vec<&'static str>, part: Part, reason: Outcome) {
+    /// An optional part is null: listed in `degraded`, counted, and logged as one line that
+    /// names the part, the reason and the cause (inside the request's span, so with its id).
+    fn degrade(&self, degraded: &mut Vec<&'static str>, part: Part, miss: Miss) {
+        let reason = miss.reason;
+        tracing::warn!(
+            part = part.field(),
+            reason = reason.as_str(),
+            error = miss.cause.as_deref(),
+            "dashboard part degraded"
+        );
         degraded.push(part.field());
         let row = Part::OPTIONAL.iter().position(|p| *p == part);
         let column = Outcome::ALL.iter().position(|o| *o == reason);

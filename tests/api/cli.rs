@@ -173,3 +173,41 @@ fn capacity_runs_despite_an_unrelated_bad_setting_and_takes_the_pool_budget_from
         "the server's max_connections comes from the settings: {stdout}"
     );
 }
+
+/// `tributary <args>` against the database `url` (its logs on stdout, as JSON lines).
+fn against_database(args: &[&str], url: &str) -> Output {
+    tributary(
+        args,
+        &[
+            ("DATABASE_URL", url),
+            ("TRIBUTARY_SERVER__LISTEN", "127.0.0.1:0"),
+            ("TRIBUTARY_SERVER__OPS_LISTEN", "127.0.0.1:0"),
+        ],
+    )
+}
+
+#[tokio::test]
+async fn migrating_an_up_to_date_database_logs_no_server_notice() {
+    let db = crate::helpers::fresh_database().await;
+    let url = db.url();
+
+    let runs = tokio::task::spawn_blocking(move || {
+        [
+            against_database(&["migrate"], &url),
+            against_database(&["migrate"], &url),
+        ]
+    })
+    .await
+    .unwrap();
+
+    for out in &runs {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{out:?}");
+        // sqlx logs the server's NOTICE for `CREATE TABLE IF NOT EXISTS _sqlx_migrations`.
+        assert!(
+            !stdout.contains("sqlx::postgres::notice") && !stdout.contains("already exists"),
+            "{stdout}"
+        );
+        assert!(stdout.contains("migrations applied"), "{stdout}");
+    }
+}
