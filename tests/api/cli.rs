@@ -187,6 +187,36 @@ fn against_database(args: &[&str], url: &str) -> Output {
 }
 
 #[tokio::test]
+async fn a_database_that_does_not_exist_stops_migrate_and_serve_at_once_with_how_to_create_it() {
+    let server = crate::helpers::server_url();
+    let (prefix, _) = server.rsplit_once('/').unwrap();
+    let name = format!("tributary_test_missing_{}", uuid::Uuid::new_v4().simple());
+    let url = format!("{prefix}/{name}");
+
+    for command in ["migrate", "serve"] {
+        let out = tokio::task::spawn_blocking({
+            let url = url.clone();
+            move || against_database(&[command], &url)
+        })
+        .await
+        .unwrap();
+
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "{command}: {out:?}");
+        assert_eq!(stderr.lines().count(), 1, "{command}: one line:\n{stderr}");
+        assert!(
+            stderr.contains(&format!("database \"{name}\" does not exist"))
+                && stderr.contains("createdb -h "),
+            "{command}: {stderr}"
+        );
+        // No retries: the database will not appear by waiting.
+        assert!(!stdout.contains("retrying"), "{command}: {stdout}");
+    }
+    assert!(!crate::helpers::database_exists(&name).await);
+}
+
+#[tokio::test]
 async fn migrating_an_up_to_date_database_logs_no_server_notice() {
     let db = crate::helpers::fresh_database().await;
     let url = db.url();
