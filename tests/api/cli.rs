@@ -174,6 +174,38 @@ fn capacity_runs_despite_an_unrelated_bad_setting_and_takes_the_pool_budget_from
     );
 }
 
+/// The commit this checkout is at, when it is a git checkout.
+fn git_head() -> Option<String> {
+    let out = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+#[test]
+fn a_build_in_a_git_checkout_names_its_commit_without_being_told() {
+    // A build told its revision (the Dockerfile's) reports that one; the test above checks it.
+    let told = std::env::var("TRIBUTARY_GIT_REVISION").is_ok_and(|r| !r.is_empty());
+    let Some(head) = git_head().filter(|_| !told) else {
+        return;
+    };
+
+    let out = tributary(&["--version"], &[]);
+
+    let version = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        version,
+        format!(
+            "tributary {} (revision {head})\n",
+            env!("CARGO_PKG_VERSION")
+        )
+    );
+}
+
 /// `tributary <args>` against the database `url` (its logs on stdout, as JSON lines).
 fn against_database(args: &[&str], url: &str) -> Output {
     tributary(
