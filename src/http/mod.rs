@@ -17,9 +17,7 @@ pub(crate) mod pushback;
 
 use std::sync::{Arc, atomic::AtomicBool};
 
-use axum::{
-    Router, extract::DefaultBodyLimit, http::Method, middleware::from_fn_with_state, routing::get,
-};
+use axum::{Router, extract::DefaultBodyLimit, middleware::from_fn_with_state, routing::get};
 use tower::ServiceBuilder;
 
 use crate::{
@@ -67,19 +65,13 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
     // The API's routes and the probes (pointed at the API's port: what they check is that
     // this port answers), each registered with its OpenAPI operation; the document is
     // rendered now, once.
-    let (api, _) = openapi::api().split_for_parts();
+    let (api, doc) = openapi::api().split_for_parts();
     openapi::prepare();
     let api = api.merge(extra);
 
     // Their request counters exist at 0 from start-up (the `extra` routes of tests are not
     // known here; they appear with their first request).
-    state.telemetry.register_routes(&[
-        (DASHBOARD, Method::GET),
-        (ORDERS, Method::POST),
-        (ORDER, Method::GET),
-        ("/healthz", Method::GET),
-        ("/readyz", Method::GET),
-    ]);
+    state.telemetry.register_routes(&openapi::routes(&doc));
 
     let server = Arc::new(state.settings.server.clone());
     let edge = Arc::new(edge::Edge {

@@ -17,7 +17,7 @@ use std::sync::LazyLock;
 
 use axum::{
     body::Bytes,
-    http::header,
+    http::{Method, header},
     response::{IntoResponse, Response},
 };
 use serde_json::{Value, json};
@@ -46,6 +46,27 @@ pub(super) fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(super::health::healthz))
         .routes(routes!(super::health::readyz))
         .routes(routes!(openapi_json))
+}
+
+/// Every (route, method) a document describes: the router registers their request counters
+/// at start-up.
+pub(super) fn routes(doc: &openapi::OpenApi) -> Vec<(&str, Method)> {
+    doc.paths
+        .paths
+        .iter()
+        .flat_map(|(path, item)| {
+            [
+                (Method::GET, &item.get),
+                (Method::POST, &item.post),
+                (Method::PUT, &item.put),
+                (Method::PATCH, &item.patch),
+                (Method::DELETE, &item.delete),
+            ]
+            .into_iter()
+            .filter(|(_, operation)| operation.is_some())
+            .map(move |(method, _)| (path.as_str(), method))
+        })
+        .collect()
 }
 
 /// The whole document: the API's routes, what they share, and the operations listener's
@@ -415,6 +436,24 @@ mod tests {
                 "{path} is not described"
             );
         }
+    }
+
+    #[test]
+    fn the_routes_whose_counters_are_registered_are_the_served_ones() {
+        let doc = api().into_openapi();
+        let mut routes = routes(&doc);
+        routes.sort_by_key(|(path, _)| *path);
+        assert_eq!(
+            routes,
+            [
+                (DASHBOARD, Method::GET),
+                (ORDERS, Method::POST),
+                (ORDER, Method::GET),
+                ("/healthz", Method::GET),
+                ("/openapi.json", Method::GET),
+                ("/readyz", Method::GET),
+            ]
+        );
     }
 
     #[test]
