@@ -11,7 +11,7 @@ use sha2::{Digest, Sha256};
 
 use super::{
     AppState,
-    extract::{JsonBody, Object, PositiveId},
+    extract::{JsonBody, Object, PositiveId, Whole},
     openapi::{
         BadRequest, Conflict, GatewayTimeout, NotFound, PayloadTooLarge, RequestTimeout,
         ServiceUnavailable, TooManyRequests, UnsupportedMediaType,
@@ -35,7 +35,7 @@ const MAX_ITEMS: usize = 100;
 #[serde(deny_unknown_fields)]
 pub(super) struct CreateOrder {
     #[schema(value_type = i64, minimum = 1)]
-    pub user_id: Option<i64>,
+    pub user_id: Option<Whole<i64>>,
     #[schema(value_type = Vec<CreateItem>, min_items = 1, max_items = 100)]
     pub items: Option<Vec<Object<CreateItem>>>,
 }
@@ -48,11 +48,11 @@ pub(super) struct CreateItem {
     #[schema(value_type = String, pattern = r"^[!-~]{1,64}$", example = "SKU-1")]
     pub sku: Option<String>,
     #[schema(value_type = i32, minimum = 1, maximum = 10_000)]
-    pub quantity: Option<i32>,
+    pub quantity: Option<Whole<i32>>,
     /// The order's total (the sum of quantity × unit price) must fit a signed 64-bit
     /// integer; beyond it, a 400.
     #[schema(value_type = i64, minimum = 0)]
-    pub unit_price_cents: Option<i64>,
+    pub unit_price_cents: Option<Whole<i64>>,
 }
 
 /// A required field's value, or a 400 that names it.
@@ -62,7 +62,7 @@ fn required<T>(value: Option<T>, field: impl FnOnce() -> String) -> Result<T, Ap
 
 /// Checks every field and computes the total; the error names the first bad field.
 pub(super) fn validate(req: CreateOrder) -> Result<(NewOrder, i64), ApiError> {
-    let user_id = required(req.user_id, || "user_id".into())?;
+    let Whole(user_id) = required(req.user_id, || "user_id".into())?;
     let req_items = required(req.items, || "items".into())?;
     if user_id <= 0 {
         return Err(ApiError::validation(
@@ -87,8 +87,9 @@ pub(super) fn validate(req: CreateOrder) -> Result<(NewOrder, i64), ApiError> {
     for (i, Object(item)) in req_items.into_iter().enumerate() {
         let field = |name: &str| format!("items[{i}].{name}");
         let sku = required(item.sku, || field("sku"))?;
-        let quantity = required(item.quantity, || field("quantity"))?;
-        let unit_price_cents = required(item.unit_price_cents, || field("unit_price_cents"))?;
+        let Whole(quantity) = required(item.quantity, || field("quantity"))?;
+        let Whole(unit_price_cents) =
+            required(item.unit_price_cents, || field("unit_price_cents"))?;
         let sku = sku.trim();
         if sku.is_empty() || sku.len() > 64 || !sku.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(ApiError::validation(
