@@ -29,6 +29,9 @@ pub(crate) enum ApiError {
     /// 404: the route or the resource does not exist.
     #[error("not found")]
     NotFound,
+    /// 404: an admin request names a downstream that does not exist or has no cache.
+    #[error("no such cache: {0}")]
+    NoSuchCache(String),
     /// 405: the route exists but not with this method.
     #[error("method not allowed")]
     MethodNotAllowed,
@@ -124,7 +127,7 @@ impl ApiError {
     pub(crate) fn status(&self) -> StatusCode {
         match self {
             ApiError::Validation { .. } => StatusCode::BAD_REQUEST,
-            ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::NotFound | ApiError::NoSuchCache(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::IdempotencyConflict => StatusCode::CONFLICT,
             ApiError::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
@@ -148,6 +151,7 @@ impl ApiError {
                 Some(field.clone()),
             ),
             ApiError::NotFound => ("not-found", None, None),
+            ApiError::NoSuchCache(detail) => ("not-found", Some(detail.clone()), None),
             ApiError::MethodNotAllowed => ("method-not-allowed", None, None),
             ApiError::IdempotencyConflict => (
                 "idempotency-conflict",

@@ -10,6 +10,10 @@
 //! Each part is timed: the slowest one is the request's critical path (counted by part), and
 //! the request time minus the slowest part is the gateway's own overhead — the direct answer
 //! to "is the gateway the bottleneck?". Both are also sent to the client in `Server-Timing`.
+//!
+//! A service with a cache (`downstreams.<service>.cache`) answers through it; a part that a
+//! stale entry stood in for is listed in `stale` (it is not degraded: the client has data, only
+//! older), and `Server-Timing` says which parts came from the cache.
 
 use std::{fmt::Write, time::Duration};
 
@@ -22,7 +26,7 @@ use crate::{
     context,
     db::{Db, DbError, orders::OrderSummary},
     domain::{Part, Service},
-    downstream::{CallError, Downstream, Downstreams, Outcome},
+    downstream::{CallError, Downstreams, Outcome, cache::Source},
     error::{ApiError, chain},
     telemetry::Family,
 };
@@ -70,6 +74,9 @@ pub(crate) struct Dashboard {
     /// Optional parts that failed or timed out and are `null` above.
     #[schema(schema_with = degraded_schema)]
     pub degraded: Vec<&'static str>,
+    /// Parts whose fresh call failed or was too late and that a cached answer, older than its
+    /// freshness but within `stale_if_error`, stands in for.
+    pub stale: Vec<&'static str>,
 }
 
 /// `degraded`: a list of the optional parts' names.
@@ -84,20 +91,24 @@ fn degraded_schema() -> utoipa::openapi::Array {
         .build()
 }
 
-/// Per-part durations for `Server-Timing`.
+/// Per-part durations for `Server-Timing`, with where a cached part came from.
 #[derive(Debug, Default)]
 pub(crate) struct Timings {
-    parts: Vec<(Part, Duration)>,
+    parts: Vec<(Part, Duration, Option<&'static str>)>,
     total: Duration,
 }
 
 impl Timings {
-    /// `Server-Timing: users;dur=12.1, carts;dur=9.8, ..., gateway;dur=0.3, total;dur=12.6`
+    /// `Server-Timing: users;dur=12.1, carts;dur=9.8, promotions;desc=hit;dur=0.0, ...,
+    /// gateway;dur=0.3, total;dur=12.6`
     pub(crate) fn header_value(&self) -> String {
         let mut out = String::with_capacity(160);
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-        for (part, d) in &self.parts {
-            let _ = write!(out, "{};dur={:.1}, ", part.label(), ms(*d));
+        for (part, d, desc) in &self.parts {
+            let _ = match desc {
+                Some(desc) => write!(out, "{};desc={desc};dur={:.1}, ", part.label(), ms(*d)),
+                None => write!(out, "{};dur={:.1}, ", part.label(), ms(*d)),
+            };
         }
         let slowest = self.parts.iter().map(|p| p.1).max().unwrap_or_default();
         let _ = write!(
@@ -138,9 +149,13 @@ impl Miss {
     }
 }
 
-async fn optional_call(d: &Downstream, user_id: i64) -> Result<Optional<Box<RawValue>>, CallError> {
+async fn optional_call(
+    downstreams: &Downstreams,
+    service: Service,
+    user_id: i64,
+) -> Result<Optional<(Box<RawValue>, Source)>, CallError> {
     let started = Instant::now();
-    let r = d.fetch_user_part(user_id).await;
+    let r = downstreams.fetch_part(service, user_id).await;
     Ok((r.map_err(|e| Miss::call(&e)), started.elapsed()))
 }
 
@@ -167,12 +182,11 @@ pub(crate) async fn dashboard(
     let required = async {
         let t = Instant::now();
         downstreams
-            .get(Service::Users)
-            .fetch_user_part(user_id)
+            .fetch_part(Service::Users, user_id)
             .await
             .map(|v| (v, t.elapsed()))
     };
-    let optional = |service| optional_call(downstreams.get(service), user_id);
+    let optional = |service| optional_call(downstreams, service, user_id);
     let orders = async {
         let t = Instant::now();
         // The pool wait is bounded by the budget and the server cancels the statement at its
@@ -208,18 +222,38 @@ pub(crate) async fn dashboard(
         parts: Vec::with_capacity(Part::ALL.len()),
         total,
     };
-    timings.parts.push((Part::Profile, profile.1));
+    let ((profile, profile_source), profile_took) = profile;
+    timings
+        .parts
+        .push((Part::Profile, profile_took, profile_source.timing_desc()));
     let mut degraded = Vec::new();
-    let mut take = |part: Part, (r, d): Optional<Box<RawValue>>| {
-        timings.parts.push((part, d));
-        r.map_err(|miss| metrics.degrade(&mut degraded, part, miss))
-            .ok()
+    let mut stale = Vec::new();
+    if profile_source == Source::Stale {
+        stale.push(Part::Profile.field());
+    }
+    let mut take = |part: Part, (r, d): Optional<(Box<RawValue>, Source)>| {
+        let source = r.as_ref().ok().and_then(|(_, source)| source.timing_desc());
+        timings.parts.push((part, d, source));
+        match r {
+            Ok((body, source)) => {
+                if source == Source::Stale {
+                    stale.push(part.field());
+                }
+                Some(body)
+            }
+            Err(miss) => {
+                metrics.degrade(&mut degraded, part, miss);
+                None
+            }
+        }
     };
     let cart = take(Part::Cart, cart);
     let recommendations = take(Part::Recommendations, recommendations);
     let promotions = take(Part::Promotions, promotions);
     let notifications = take(Part::Notifications, notifications);
-    timings.parts.push((Part::RecentOrders, recent_orders.1));
+    timings
+        .parts
+        .push((Part::RecentOrders, recent_orders.1, None));
     let recent_orders = recent_orders
         .0
         .map_err(|miss| metrics.degrade(&mut degraded, Part::RecentOrders, miss))
@@ -229,13 +263,14 @@ pub(crate) async fn dashboard(
     Ok((
         Dashboard {
             user_id,
-            profile: profile.0,
+            profile,
             cart,
             recommendations,
             promotions,
             notifications,
             recent_orders,
             degraded,
+            stale,
         },
         timings,
     ))
@@ -294,7 +329,7 @@ impl FanoutMetrics {
     }
 
     fn record(&self, t: &Timings) {
-        if let Some((part, slowest)) = t.parts.iter().max_by_key(|p| p.1) {
+        if let Some((part, slowest, _)) = t.parts.iter().max_by_key(|p| p.1) {
             self.critical_path[*part as usize].increment(1);
             self.overhead
                 .record(t.total.saturating_sub(*slowest).as_secs_f64());
@@ -323,7 +358,8 @@ fn required_failure(e: CallError) -> ApiError {
         CallError::Status { status: 404, .. } => ApiError::NotFound,
         CallError::Status { service, .. }
         | CallError::Transport { service, .. }
-        | CallError::InvalidBody { service, .. } => ApiError::BadGateway { service, cause: e },
+        | CallError::InvalidBody { service, .. }
+        | CallError::Abandoned { service } => ApiError::BadGateway { service, cause: e },
     }
 }
 
@@ -342,6 +378,7 @@ mod tests {
             notifications: None,
             recent_orders: None,
             degraded: vec![],
+            stale: vec![],
         };
         let json = serde_json::to_value(&dashboard).unwrap();
         let mut fields: Vec<&str> = json
@@ -352,7 +389,7 @@ mod tests {
             .collect();
         fields.sort_unstable();
         let mut expected: Vec<&str> = Part::ALL.map(Part::field).to_vec();
-        expected.extend(["degraded", "user_id"]);
+        expected.extend(["degraded", "stale", "user_id"]);
         expected.sort_unstable();
         assert_eq!(fields, expected);
     }

@@ -60,6 +60,7 @@ pub const METRIC_FAMILIES: &[&[Family]] = &[
     crate::admission::FAMILIES,
     crate::ratelimit::FAMILIES,
     crate::downstream::FAMILIES,
+    crate::downstream::cache::FAMILIES,
     crate::db::FAMILIES,
     crate::fanout::FAMILIES,
 ];

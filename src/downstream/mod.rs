@@ -22,9 +22,11 @@
 //!
 //! One file (over 500 lines with its tests) because a call's path — breaker ticket, bulkhead,
 //! retries, hedging, the exchange and the verdict on its failure — is one sequence, best read
-//! top to bottom; the breaker, which has state of its own, is [`breaker`].
+//! top to bottom; the breaker, which has state of its own, is [`breaker`], and the optional
+//! answer cache in front of a client is [`cache`].
 
 pub mod breaker;
+pub mod cache;
 
 use std::{sync::Arc, time::Duration};
 
@@ -49,6 +51,7 @@ use crate::{
     telemetry::Family,
 };
 use breaker::Breaker;
+use cache::{Directives, PartCache, Source};
 
 /// Header carrying the caller's remaining budget in whole milliseconds.
 pub(crate) const BUDGET_HEADER: &str = "x-request-budget-ms";
@@ -135,8 +138,9 @@ impl std::fmt::Display for TimeoutCause {
     }
 }
 
-/// Why a call produced no usable body.
-#[derive(Debug, thiserror::Error)]
+/// Why a call produced no usable body. `Clone`, so that one cached call's failure can answer
+/// every request that waited for it.
+#[derive(Debug, Clone, thiserror::Error)]
 pub(crate) enum CallError {
     #[error("{service} timed out: {cause}")]
     Timeout {
@@ -149,7 +153,7 @@ pub(crate) enum CallError {
     Transport {
         service: Service,
         #[source]
-        source: reqwest::Error,
+        source: Arc<reqwest::Error>,
     },
     #[error("{service} sent an invalid body: {reason}")]
     InvalidBody { service: Service, reason: String },
@@ -159,6 +163,10 @@ pub(crate) enum CallError {
     CircuitOpen { service: Service },
     #[error("no budget left to call {service}")]
     BudgetExhausted { service: Service },
+    /// A cached call's task ended without an answer (it panicked, or the runtime is shutting
+    /// down).
+    #[error("the call to {service} was abandoned")]
+    Abandoned { service: Service },
 }
 
 impl CallError {
@@ -167,7 +175,8 @@ impl CallError {
             CallError::Timeout { .. } => Outcome::Timeout,
             CallError::Status { .. }
             | CallError::Transport { .. }
-            | CallError::InvalidBody { .. } => Outcome::Error,
+            | CallError::InvalidBody { .. }
+            | CallError::Abandoned { .. } => Outcome::Error,
             CallError::Shed { .. } => Outcome::Shed,
             CallError::CircuitOpen { .. } => Outcome::CircuitOpen,
             CallError::BudgetExhausted { .. } => Outcome::BudgetExhausted,
@@ -282,6 +291,13 @@ impl Instruments {
     }
 }
 
+/// A successful call: the body, and what the service said about caching it (read only when
+/// the service has a cache; otherwise the default, which costs nothing).
+pub(crate) struct Fetched {
+    pub(crate) body: Box<RawValue>,
+    pub(crate) directives: Directives,
+}
+
 /// A typed client for one downstream service.
 pub struct Downstream {
     service: Service,
@@ -300,6 +316,9 @@ pub struct Downstream {
     request_deadline: Duration,
     queue_delay: QueueDelay,
     metrics: Instruments,
+    /// Whether `Cache-Control` is read from the answers: only for a service with a cache that
+    /// honours it.
+    reads_cache_control: bool,
 }
 
 impl Downstream {
@@ -335,6 +354,7 @@ impl Downstream {
             request_deadline: settings.server.request_deadline,
             queue_delay,
             metrics: Instruments::register(service),
+            reads_cache_control: own.cache.as_ref().is_some_and(|c| c.honour_cache_control),
         }
     }
 
@@ -354,6 +374,11 @@ impl Downstream {
     /// `GET {base}/{service}/{user_id}`: the body, validated as JSON and kept as raw text so it
     /// can be embedded in the response without a parse-and-reserialise round trip.
     pub(crate) async fn fetch_user_part(&self, user_id: i64) -> Result<Box<RawValue>, CallError> {
+        self.fetch(user_id).await.map(|f| f.body)
+    }
+
+    /// [`Self::fetch_user_part`] with the service's caching directives.
+    pub(crate) async fn fetch(&self, user_id: i64) -> Result<Fetched, CallError> {
         let span = tracing::info_span!(
             "downstream.call",
             otel.name = %format_args!("GET /{}/{{user_id}}", self.service),
@@ -375,7 +400,7 @@ impl Downstream {
         result
     }
 
-    async fn call(&self, user_id: i64, span: &Span) -> Result<Box<RawValue>, CallError> {
+    async fn call(&self, user_id: i64, span: &Span) -> Result<Fetched, CallError> {
         let service = self.service;
         let started = Instant::now();
         // A ticket rather than a bare admission: if this future is dropped mid-call, the
@@ -458,7 +483,7 @@ impl Downstream {
         url: &Url,
         after: Duration,
         span: &Span,
-    ) -> Result<Box<RawValue>, CallError> {
+    ) -> Result<Fetched, CallError> {
         let first = self.attempt(url, span);
         tokio::pin!(first);
         tokio::select! {
@@ -488,7 +513,7 @@ impl Downstream {
 
     /// One HTTP exchange bounded by min(call timeout, remaining budget); the status goes on
     /// `span`, the call's (a no-op when call spans are not exported).
-    async fn attempt(&self, url: &Url, span: &Span) -> Result<Box<RawValue>, CallError> {
+    async fn attempt(&self, url: &Url, span: &Span) -> Result<Fetched, CallError> {
         let service = self.service;
         let budget = remaining();
         if budget < MIN_CALL_BUDGET {
@@ -517,7 +542,10 @@ impl Downstream {
             let response = request
                 .send()
                 .await
-                .map_err(|source| CallError::Transport { service, source })?;
+                .map_err(|source| CallError::Transport {
+                    service,
+                    source: Arc::new(source),
+                })?;
             let status = response.status();
             // An i64: OpenTelemetry has no unsigned integers, and a u64 is exported as a string.
             span.record("http.response.status_code", i64::from(status.as_u16()));
@@ -527,16 +555,26 @@ impl Downstream {
                     status: status.as_u16(),
                 });
             }
+            let directives = if self.reads_cache_control {
+                response
+                    .headers()
+                    .get(http::header::CACHE_CONTROL)
+                    .and_then(|v| v.to_str().ok())
+                    .map_or_else(Directives::default, Directives::parse)
+            } else {
+                Directives::default()
+            };
             let body = read_body(response, service).await?;
             // Validate without building a DOM: RawValue keeps the original bytes.
             let text = String::from_utf8(body.into()).map_err(|_| CallError::InvalidBody {
                 service,
                 reason: "not UTF-8".into(),
             })?;
-            RawValue::from_string(text).map_err(|e| CallError::InvalidBody {
+            let body = RawValue::from_string(text).map_err(|e| CallError::InvalidBody {
                 service,
                 reason: e.to_string(),
-            })
+            })?;
+            Ok(Fetched { body, directives })
         };
         match tokio::time::timeout(timeout, exchange).await {
             Ok(result) => result,
@@ -567,7 +605,10 @@ async fn read_body(mut response: reqwest::Response, service: Service) -> Result<
     while let Some(chunk) = response
         .chunk()
         .await
-        .map_err(|source| CallError::Transport { service, source })?
+        .map_err(|source| CallError::Transport {
+            service,
+            source: Arc::new(source),
+        })?
     {
         if buf.len() + chunk.len() > MAX_BODY_BYTES {
             return Err(CallError::InvalidBody {
@@ -610,10 +651,12 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// The five clients, built once at start-up.
+/// The five clients, built once at start-up, and the caches in front of those that have one.
 pub struct Downstreams {
-    /// One per service, indexed by it.
-    clients: [Downstream; 5],
+    /// One per service, indexed by it; shared with the tasks of cached calls.
+    clients: [Arc<Downstream>; 5],
+    /// Indexed by service; `None` for a service without `cache` settings.
+    caches: [Option<PartCache>; 5],
 }
 
 impl Downstreams {
@@ -624,7 +667,23 @@ impl Downstreams {
     ) -> Self {
         Self {
             clients: Service::ALL.map(|service| {
-                Downstream::new(service, settings, client.clone(), queue_delay.clone())
+                Arc::new(Downstream::new(
+                    service,
+                    settings,
+                    client.clone(),
+                    queue_delay.clone(),
+                ))
+            }),
+            // Every series exists from start-up, cached or not, as the other per-service ones.
+            caches: Service::ALL.map(|service| {
+                let metrics = cache::Instruments::register(service);
+                let policy = settings.downstreams.get(service).cache.as_ref()?;
+                Some(PartCache::new(
+                    service,
+                    policy,
+                    settings.server.request_deadline,
+                    metrics,
+                ))
             }),
         }
     }
@@ -635,7 +694,29 @@ impl Downstreams {
     }
 
     pub fn all(&self) -> [&Downstream; 5] {
-        self.clients.each_ref()
+        self.clients.each_ref().map(|c| &**c)
+    }
+
+    /// The cache in front of one service, if it has one.
+    pub fn cache(&self, service: Service) -> Option<&PartCache> {
+        self.caches[service as usize].as_ref()
+    }
+
+    /// One service's part for `user_id`: through its cache when it has one, where it may be
+    /// a cached or a stale answer ([`Source`]); straight from the service otherwise.
+    pub(crate) async fn fetch_part(
+        &self,
+        service: Service,
+        user_id: i64,
+    ) -> Result<(Box<RawValue>, Source), CallError> {
+        let client = &self.clients[service as usize];
+        match &self.caches[service as usize] {
+            None => client
+                .fetch_user_part(user_id)
+                .await
+                .map(|body| (body, Source::Downstream)),
+            Some(cache) => cache.fetch(client, user_id).await,
+        }
     }
 }
 

@@ -6,6 +6,7 @@
 //! port at all: it is served, with copies of the health routes, by [`ops_router`] on
 //! `server.ops_listen`.
 
+mod admin;
 mod dashboard;
 mod edge;
 mod extract;
@@ -48,14 +49,30 @@ pub struct AppState {
 }
 
 /// The operations endpoints, served on `server.ops_listen`: `/metrics`, `/healthz` and
-/// `/readyz`. No request layers: a scrape is not API traffic, so it is neither limited nor
-/// counted in the API's RED metrics.
+/// `/readyz`, and with `server.admin` the cache invalidation of [`admin`]. No request layers:
+/// a scrape is not API traffic, so it is neither limited nor counted in the API's RED metrics.
 pub fn ops_router(state: AppState) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/metrics", get(health::metrics))
         .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz))
+        .route("/readyz", get(health::readyz));
+    // Not mounted at all unless asked for: a disabled admin API is a 404, like any unknown path.
+    let router = if state.settings.server.admin {
+        router
+            .route(
+                "/admin/cache/{downstream}",
+                axum::routing::delete(admin::invalidate_all),
+            )
+            .route(
+                "/admin/cache/{downstream}/{key}",
+                axum::routing::delete(admin::invalidate_key),
+            )
+    } else {
+        router
+    };
+    router
         .fallback(|| async { ApiError::NotFound })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .with_state(state)
 }
 
