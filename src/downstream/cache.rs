@@ -271,7 +271,8 @@ impl Instruments {
             coalesced: counter(COALESCED),
             stale: counter(STALE_SERVED),
             evictions: ["size", "expired", "invalidated"].map(|cause| {
-                let c = metrics::counter!(EVICTIONS.name, "downstream" => service, "cause" => cause);
+                let c =
+                    metrics::counter!(EVICTIONS.name, "downstream" => service, "cause" => cause);
                 c.increment(0);
                 c
             }),

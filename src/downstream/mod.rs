@@ -478,12 +478,7 @@ impl Downstream {
 
     /// Sends a second request if the first is slower than `after`; the first success wins and
     /// the loser is cancelled by being dropped.
-    async fn hedged(
-        &self,
-        url: &Url,
-        after: Duration,
-        span: &Span,
-    ) -> Result<Fetched, CallError> {
+    async fn hedged(&self, url: &Url, after: Duration, span: &Span) -> Result<Fetched, CallError> {
         let first = self.attempt(url, span);
         tokio::pin!(first);
         tokio::select! {

@@ -17,7 +17,7 @@ use axum::{
 };
 
 use super::AppState;
-use crate::{downstream::cache::PartCache, domain::Service, error::ApiError};
+use crate::{domain::Service, downstream::cache::PartCache, error::ApiError};
 
 fn cache_of<'a>(state: &'a AppState, downstream: &str) -> Result<&'a PartCache, ApiError> {
     let service: Service = downstream
