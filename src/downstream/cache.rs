@@ -581,7 +581,7 @@ impl Inner {
         }
         let shared = self.key == CacheKey::Shared;
         // A per-user entry only ever answers its own user, which is what `private` asks for.
-        let storable = !d.no_store && !(shared && d.private);
+        let storable = !(d.no_store || (shared && d.private));
         let max_age = if shared {
             d.s_maxage.or(d.max_age)
         } else {
