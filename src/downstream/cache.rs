@@ -16,6 +16,9 @@
 //!   only keys that are absent, while a stale entry kept for `stale_if_error` is present, and
 //!   its init future belongs to the first caller, whose cancellation makes a waiter start a
 //!   second call.
+//!   A request with too little budget left to make a call itself starts none (it joins one in
+//!   flight, or takes a stale entry, or gives up), so tiny budgets cannot start full-length
+//!   calls.
 //! - **Errors are never stored**: a failed call answers the requests that waited for it and is
 //!   forgotten.
 //! - **`Cache-Control`** (with `honour_cache_control`) decides per answer whether it is stored
@@ -364,7 +367,15 @@ impl PartCache {
             inner.metrics.hits.increment(1);
             return Ok((entry.body.clone(), Source::Hit));
         }
-        let (answer, led) = self.join(key, client, user_id);
+        // A request that could not make a call itself starts none that would outlive it: with
+        // the cache, a flood of tiny budgets would otherwise each start a full-length call.
+        let may_start = context::remaining() >= super::MIN_CALL_BUDGET;
+        let Some((answer, led)) = self.join(key, client, user_id, may_start) else {
+            let exhausted = CallError::BudgetExhausted {
+                service: inner.service,
+            };
+            return self.stale_or(exhausted, stored);
+        };
         let (counter, source) = if led {
             (&inner.metrics.misses, Source::Miss)
         } else {
@@ -390,27 +401,43 @@ impl PartCache {
                 cause: TimeoutCause::RequestBudget,
             }),
         };
-        match (result, stored) {
-            (Ok(body), _) => Ok((body, Source::Miss)),
-            (Err(_), Some(entry)) if entry.usable_stale(inner.stale_if_error) => {
-                inner.metrics.stale.increment(1);
-                Ok((entry.body.clone(), Source::Stale))
-            }
-            (Err(e), _) => Err(e),
+        match result {
+            Ok(body) => Ok((body, Source::Miss)),
+            Err(e) => self.stale_or(e, stored),
         }
     }
 
-    /// The call in flight for `key`, and whether this request started it.
+    /// The stale entry, when it is young enough to stand in for the failed call; else `e`.
+    fn stale_or(
+        &self,
+        e: CallError,
+        stored: Option<Arc<Cached>>,
+    ) -> Result<(Box<RawValue>, Source), CallError> {
+        match stored {
+            Some(entry) if entry.usable_stale(self.inner.stale_if_error) => {
+                self.inner.metrics.stale.increment(1);
+                Ok((entry.body.clone(), Source::Stale))
+            }
+            _ => Err(e),
+        }
+    }
+
+    /// The call in flight for `key`, and whether this request started it; `None` when there
+    /// is none and `may_start` is false.
     fn join(
         &self,
         key: Key,
         client: &Arc<Downstream>,
         user_id: i64,
-    ) -> (Shared<BoxFuture<'static, Answer>>, bool) {
+        may_start: bool,
+    ) -> Option<(Shared<BoxFuture<'static, Answer>>, bool)> {
         let inner = &self.inner;
         let mut flights = inner.flights();
         if let Some(flight) = flights.get(&key) {
-            return (flight.answer.clone(), false);
+            return Some((flight.answer.clone(), false));
+        }
+        if !may_start {
+            return None;
         }
         let id = inner.next_flight.fetch_add(1, Ordering::Relaxed);
         let answer = self.start(key, id, client, user_id);
@@ -421,7 +448,7 @@ impl PartCache {
                 answer: answer.clone(),
             },
         );
-        (answer, true)
+        Some((answer, true))
     }
 
     /// Spawns the call for `key`: it belongs to no request, so no request's cancellation ends

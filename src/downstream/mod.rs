@@ -57,7 +57,7 @@ use cache::{Directives, PartCache, Source};
 pub(crate) const BUDGET_HEADER: &str = "x-request-budget-ms";
 
 /// A call is not started with less budget than this left: it could not complete anyway.
-const MIN_CALL_BUDGET: Duration = Duration::from_millis(2);
+pub(crate) const MIN_CALL_BUDGET: Duration = Duration::from_millis(2);
 
 /// Largest downstream body accepted; a larger one is an error, not an allocation.
 const MAX_BODY_BYTES: usize = 1024 * 1024;
