@@ -751,6 +751,51 @@ mod tests {
         assert!(!entry.usable_stale(stale_if_error));
     }
 
+    #[tokio::test]
+    async fn a_request_without_the_budget_for_a_call_starts_none() {
+        // Nothing listens at the service's address: a call, had one started, would fail, and
+        // the flight would be in the map until it did.
+        let mut settings = crate::config::Settings::default();
+        let nobody = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        settings.downstreams.promotions.base_url =
+            format!("http://{}", nobody.local_addr().unwrap())
+                .parse()
+                .unwrap();
+        drop(nobody);
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let queue_delay =
+            crate::overload::QueueDelay::spawn(Duration::from_secs(1), shutdown.clone());
+        let client = Arc::new(Downstream::new(
+            Service::Promotions,
+            &settings,
+            super::super::build_client(&settings.http_client).unwrap(),
+            queue_delay,
+        ));
+        let cache = PartCache::new(
+            Service::Promotions,
+            &CacheSettings::default(),
+            Duration::from_secs(1),
+            Instruments::register(Service::Promotions),
+        );
+        let ctx = Arc::new(RequestContext::new(
+            "tiny".into(),
+            context::TraceIds {
+                trace_id: "0af7651916cd43dd8448eb211c80319c".into(),
+                span_id: "b7ad6b7169203331".into(),
+                sampled: false,
+                tracestate: None,
+            },
+            Instant::now() + Duration::from_millis(1),
+        ));
+        let result = context::scope(ctx, cache.fetch(&client, 7)).await;
+        assert!(
+            matches!(result, Err(CallError::BudgetExhausted { .. })),
+            "{result:?}"
+        );
+        assert!(cache.inner.flights().is_empty(), "no call was started");
+        shutdown.cancel();
+    }
+
     #[test]
     fn admin_keys_are_user_ids_or_shared_by_the_cache_kind() {
         let policy = |key| CacheSettings {
