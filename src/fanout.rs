@@ -76,6 +76,7 @@ pub(crate) struct Dashboard {
     pub degraded: Vec<&'static str>,
     /// Parts whose fresh call failed or was too late and that a cached answer, older than its
     /// freshness but within `stale_if_error`, stands in for.
+    #[schema(schema_with = stale_schema)]
     pub stale: Vec<&'static str>,
 }
 
@@ -87,6 +88,19 @@ fn degraded_schema() -> utoipa::openapi::Array {
     utoipa::openapi::ArrayBuilder::new()
         .items(part)
         .max_items(Some(Part::OPTIONAL.len()))
+        .unique_items(true)
+        .build()
+}
+
+/// `stale`: a list of the parts' names (the required profile included: a stale profile is
+/// still a profile).
+fn stale_schema() -> utoipa::openapi::Array {
+    let part = utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(Part::ALL.map(Part::field)));
+    utoipa::openapi::ArrayBuilder::new()
+        .items(part)
+        .max_items(Some(Part::ALL.len()))
         .unique_items(true)
         .build()
 }
