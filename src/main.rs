@@ -77,6 +77,8 @@ enum Command {
     },
     /// Load and validate the configuration, print it (secrets masked) and exit.
     CheckConfig,
+    /// Print the API's OpenAPI 3.1 document (what GET /openapi.json serves) and exit.
+    Openapi,
 }
 
 /// A finite number above zero.
@@ -123,6 +125,8 @@ fn main() -> ExitCode {
     let sources = Sources::from_process(cli.config.as_deref());
     let settings = match Settings::load(&sources) {
         Ok(s) => s,
+        // The document is the code's: the configuration does not change it.
+        Err(_) if matches!(cli.command, Some(Command::Openapi)) => Settings::default(),
         // The arithmetic needs no configuration: an unrelated bad setting must not stop it.
         Err(e) if matches!(cli.command, Some(Command::Capacity { .. })) => {
             eprintln!(
@@ -146,6 +150,10 @@ fn main() -> ExitCode {
 
 fn run(command: Command, settings: Settings, sources: Sources) -> anyhow::Result<()> {
     match command {
+        Command::Openapi => {
+            print!("{}", tributary::http::openapi::render());
+            Ok(())
+        }
         Command::CheckConfig => {
             // Secrets print as *** and URL passwords are masked by their types.
             println!("{}", serde_json::to_string_pretty(&settings)?);

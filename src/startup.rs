@@ -61,6 +61,7 @@ pub const METRIC_FAMILIES: &[&[Family]] = &[
     crate::admission::FAMILIES,
     crate::ratelimit::FAMILIES,
     crate::downstream::FAMILIES,
+    crate::downstream::cache::FAMILIES,
     crate::db::FAMILIES,
     crate::fanout::FAMILIES,
     crate::routing::FAMILIES,
@@ -390,6 +391,8 @@ async fn migrate_with_retry(db: &Db, patience: Duration) -> anyhow::Result<()> {
     loop {
         match db.migrate().await {
             Ok(()) => return Ok(()),
+            // It will not appear by itself: say so now, not after the whole patience.
+            Err(e) if e.is::<crate::db::MissingDatabase>() => return Err(e),
             Err(e) if tokio::time::Instant::now() + delay < deadline => {
                 tracing::warn!(error = %e, "migrations failed; retrying");
                 tokio::time::sleep(delay).await;

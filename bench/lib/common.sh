@@ -241,6 +241,7 @@ DATABASE_URL_BENCH="$PG_URL_BASE/$BENCH_DB"
 SIM_SERVICES=(users carts recommendations promotions notifications)
 SIM_PIDS=()
 GATEWAY_SETTINGS=()
+GATEWAY_WRAPPER=()
 
 bench_gateway_bin() {
   local name="$1"
@@ -313,10 +314,13 @@ bench_start_gateway() {
   # built-in defaults (equal to that file, a unit test checks) plus the settings above, and a
   # config file edited in the work tree after the build cannot break or change a run.
   cd "$LOG_DIR"
-  bench_start gateway "$SERVER_CPUS" env -u RUST_LOG -u TRIBUTARY_CONFIG "${GATEWAY_ENV[@]}" "$tributary" serve
+  # GATEWAY_WRAPPER (an array, empty by default) runs the binary under a tool: bench/profile's
+  # instruction and syscall counts put valgrind or strace there.
+  bench_start gateway "$SERVER_CPUS" env -u RUST_LOG -u TRIBUTARY_CONFIG "${GATEWAY_ENV[@]}" \
+    "${GATEWAY_WRAPPER[@]}" "$tributary" serve
   GATEWAY_PID=$BENCH_LAST_PID
   cd - >/dev/null
-  bench_wait_http "http://127.0.0.1:$GATEWAY_PORT/readyz" 60 "$GATEWAY_PID"
+  bench_wait_http "http://127.0.0.1:$GATEWAY_PORT/readyz" "${GATEWAY_START_TIMEOUT:-60}" "$GATEWAY_PID"
 }
 
 # bench_gateway_point VARIANT CONNECTIONS REP DURATION WARMUP LIMIT BASIS [MEASURE-ARGS...]

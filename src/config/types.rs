@@ -162,6 +162,11 @@ impl HttpUrl {
     pub fn as_str(&self) -> &str {
         self.0.as_str()
     }
+
+    /// The parsed URL, credentials included.
+    pub fn url(&self) -> &url::Url {
+        &self.0
+    }
 }
 
 impl FromStr for HttpUrl {

@@ -10,18 +10,55 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use sqlx::{Acquire, FromRow, PgConnection};
+use sqlx::{Acquire, FromRow, PgConnection, Row, postgres::PgRow};
 use tracing::Instrument;
 
 use super::{Db, DbError, Statement};
 
 /// One line of the dashboard's `recent_orders`.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub(crate) struct OrderSummary {
+    #[schema(minimum = 1)]
     pub id: i64,
+    #[schema(schema_with = status_schema)]
     pub status: String,
     pub total_cents: i64,
     pub created_at: DateTime<Utc>,
+}
+
+impl<'r> FromRow<'r, PgRow> for OrderSummary {
+    /// The hot path's query comes over the simple protocol, so every column is text: a
+    /// `timestamptz` would be parsed with chrono's format-string parser (about 3,000
+    /// instructions a row, 2 % of a dashboard's). The query sends the time as integer
+    /// microseconds since the epoch instead, which is exactly what Postgres stores.
+    fn from_row(row: &'r PgRow) -> sqlx::Result<Self> {
+        let micros: i64 = row.try_get("created_at_us")?;
+        Ok(Self {
+            id: row.try_get("id")?,
+            status: row.try_get("status")?,
+            total_cents: row.try_get("total_cents")?,
+            created_at: DateTime::from_timestamp_micros(micros).ok_or_else(|| {
+                sqlx::Error::ColumnDecode {
+                    index: "created_at_us".into(),
+                    source: format!("{micros} µs is out of chrono's range").into(),
+                }
+            })?,
+        })
+    }
+}
+
+/// An order's status: the values the `orders` table's CHECK constraint allows.
+fn status_schema() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some([
+            "created",
+            "paid",
+            "shipped",
+            "delivered",
+            "cancelled",
+        ]))
+        .build()
 }
 
 /// A validated order request (see `http::orders` for validation).
@@ -31,18 +68,26 @@ pub(crate) struct NewOrder {
     pub items: Vec<NewItem>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+/// One line of an order, as stored and returned (its SKU trimmed).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+#[schema(as = OrderItem)]
 pub(crate) struct NewItem {
+    #[schema(min_length = 1, max_length = 64, example = "SKU-1")]
     pub sku: String,
+    #[schema(minimum = 1, maximum = 10_000)]
     pub quantity: i32,
+    #[schema(minimum = 0)]
     pub unit_price_cents: i64,
 }
 
 /// An order as returned by the API.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub(crate) struct Order {
+    #[schema(minimum = 1)]
     pub id: i64,
+    #[schema(minimum = 1)]
     pub user_id: i64,
+    #[schema(schema_with = status_schema)]
     pub status: String,
     pub total_cents: i64,
     pub created_at: DateTime<Utc>,
@@ -166,7 +211,8 @@ async fn recent_orders_on(
     // nothing from the request is ever spliced into SQL text.
     let sql = format!(
         "SET statement_timeout = {}; \
-         SELECT id, status, total_cents, created_at FROM orders \
+         SELECT id, status, total_cents, \
+         (extract(epoch FROM created_at) * 1000000)::int8 AS created_at_us FROM orders \
          WHERE user_id = {user_id} ORDER BY created_at DESC LIMIT 5",
         super::statement_timeout_ms(budget)
     );

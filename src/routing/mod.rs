@@ -33,7 +33,7 @@ use std::{
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 use metrics::{Counter, Gauge};
-use serde_json::{Value, json};
+use serde_json::{Value, json, value::RawValue};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -43,7 +43,7 @@ use crate::{
         routing::{HeaderMatch, Match, STABLE},
     },
     domain::Service,
-    downstream::{Downstream, Downstreams},
+    downstream::{CallError, Downstream, Downstreams, cache::Source},
     overload::QueueDelay,
     telemetry::Family,
 };
@@ -252,6 +252,26 @@ impl Route<'_> {
             return &table.services[service as usize].variants[i].instance.client;
         }
         self.stable.get(service)
+    }
+
+    /// `service`'s part for `user_id` from the instance that serves it: stable's goes through
+    /// the service's cache when it has one; a variant's never does (the cache holds stable's
+    /// answers, and a variant under test must be asked).
+    pub(crate) async fn fetch_part(
+        &self,
+        service: Service,
+        user_id: i64,
+    ) -> Result<(Box<RawValue>, Source), CallError> {
+        if let Some((table, picks)) = &self.picked
+            && let Some(i) = picks[service as usize]
+        {
+            let variant = &table.services[service as usize].variants[i].instance.client;
+            return variant
+                .fetch_user_part(user_id)
+                .await
+                .map(|body| (body, Source::Downstream));
+        }
+        self.stable.fetch_part(service, user_id).await
     }
 
     /// `carts=canary,promotions=v2` for the access log, when any part went to a variant.

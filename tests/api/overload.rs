@@ -2,16 +2,19 @@
 //! failures; a rejection costs a counter and a small answer; a client that retries at once
 //! waits on its own connection.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use axum::{Router, routing::get};
 use futures::future::join_all;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
+    task::JoinHandle,
     time::Instant,
 };
-use tributary::{config::AdmissionMode, domain::Service, downstream::breaker::State};
+use tributary::{
+    admission::Limiter, config::AdmissionMode, domain::Service, downstream::breaker::State,
+};
 use tributary_sim::Behaviour;
 
 use crate::helpers::{
@@ -137,9 +140,6 @@ async fn a_rejection_costs_a_counter_and_a_small_answer_not_a_log_line() {
         s.admission.pushback = false;
     })
     .await;
-    for service in Service::ALL {
-        app.set_service(service, |b| b.latency = Duration::from_millis(400));
-    }
     // Exported before any rejection (at 0 in a fresh process; this one is shared by the tests).
     let before = rejected(&app, "overloaded").await;
     assert!(
@@ -158,22 +158,7 @@ async fn a_rejection_costs_a_counter_and_a_small_answer_not_a_log_line() {
         .unwrap_or(0.0)
     };
     let red_before = red_503(&app.metrics().await);
-    let holder = tokio::spawn({
-        let (client, url) = (app.client.clone(), app.url("/api/v1/dashboard/1"));
-        async move { client.get(url).send().await.unwrap().status() }
-    });
-    let limiter = app
-        .state
-        .admission
-        .as_ref()
-        .unwrap()
-        .limiter(tributary::config::RouteGroup::Dashboard);
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            limiter.in_flight() == 1
-        })
-        .await
-    );
+    let (holder, limiter) = hold_the_only_permit(&app).await;
 
     let resp = app
         .client
@@ -209,6 +194,33 @@ async fn a_rejection_costs_a_counter_and_a_small_answer_not_a_log_line() {
         .into_iter()
         .any(|l| l.to_string().contains("shed-me-1"));
     assert!(!logged, "a rejection must not write a log line");
+}
+
+/// Slows every downstream to 400 ms (under the calls' 500 ms timeout, so the holder succeeds),
+/// starts one dashboard request and waits until it holds the dashboard group's only permit.
+/// Returns the holder (its status once answered) and the group's limiter.
+async fn hold_the_only_permit(app: &TestApp) -> (JoinHandle<reqwest::StatusCode>, Arc<Limiter>) {
+    for service in Service::ALL {
+        app.set_service(service, |b| b.latency = Duration::from_millis(400));
+    }
+    let holder = tokio::spawn({
+        let (client, url) = (app.client.clone(), app.url("/api/v1/dashboard/1"));
+        async move { client.get(url).send().await.unwrap().status() }
+    });
+    let limiter = app
+        .state
+        .admission
+        .as_ref()
+        .unwrap()
+        .limiter(tributary::config::RouteGroup::Dashboard);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            limiter.in_flight() == 1
+        })
+        .await,
+        "the holder never took the permit"
+    );
+    (holder, limiter)
 }
 
 /// Sends one request for `path` on `stream` and reads one response; returns its status.
@@ -248,26 +260,7 @@ async fn a_client_that_retries_at_once_waits_on_its_own_connection() {
         s.admission.max_wait = Duration::ZERO;
     })
     .await;
-    // Under the calls' 500 ms timeout, so the holder succeeds.
-    for service in Service::ALL {
-        app.set_service(service, |b| b.latency = Duration::from_millis(400));
-    }
-    let holder = tokio::spawn({
-        let (client, url) = (app.client.clone(), app.url("/api/v1/dashboard/1"));
-        async move { client.get(url).send().await.unwrap().status() }
-    });
-    let limiter = app
-        .state
-        .admission
-        .as_ref()
-        .unwrap()
-        .limiter(tributary::config::RouteGroup::Dashboard);
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            limiter.in_flight() == 1
-        })
-        .await
-    );
+    let (holder, limiter) = hold_the_only_permit(&app).await;
 
     let mut stream = TcpStream::connect(app.addr).await.unwrap();
     assert_eq!(exchange(&mut stream, "/api/v1/dashboard/2").await, 503);
