@@ -5,6 +5,8 @@
 #   make test                      the test suite against the local Postgres and Redis
 #   make lint                      rustfmt check and clippy, as CI runs them
 #   make fmt                       format the code
+#   make openapi                   regenerate openapi.json from the code (a test fails when it is stale)
+#   make check-api                 schemathesis against a live gateway (.ci/check-api.sh)
 #   make ci                        the whole CI (.ci/run): installs what is missing, runs every check
 #   make bench SCENARIO=sweep      one benchmark scenario (release build; needs a quiet machine)
 
@@ -12,10 +14,10 @@
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/postgres
 SCENARIO ?=
 
-.PHONY: help dev test lint fmt ci bench
+.PHONY: help dev test lint fmt openapi check-api ci bench
 
 help:
-	@sed -n '3,9s/^# \{0,1\}//p' Makefile
+	@sed -n '3,11s/^# \{0,1\}//p' Makefile
 
 dev:
 	@bash scripts/dev.sh
@@ -30,6 +32,13 @@ lint:
 
 fmt:
 	cargo fmt --all
+
+openapi:
+	cargo run --locked --quiet --bin tributary -- openapi > openapi.json.new && mv openapi.json.new openapi.json
+
+check-api:
+	cargo build --locked --bins
+	bash .ci/check-api.sh
 
 ci:
 	@bash .ci/run

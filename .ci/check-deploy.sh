@@ -155,6 +155,24 @@ sed 's/readinessProbe:/readinesProbe:/' "$WORK/native/Deployment-tributary.yaml"
 rejects "k8s: kubernetes-validate --strict rejects a misspelt Deployment field" \
   kubernetes_validate_strict "$WORK/deployment-bad.yaml"
 
+# The grey-release example (a canary Deployment of a downstream, its Service and the gateway's routing
+# file) is not in the kustomization: the same validator on it, and its routing file through the
+# gateway's own check-config.
+check "k8s: examples/ valid for Kubernetes $K8S_VERSION (kubernetes-validate --strict)" \
+  kubernetes_validate_strict k8s/examples/*.yaml
+example_routing_valid() {
+  "$PY" - "$WORK/routing.toml" k8s/examples/grey-release.yaml <<'PY'
+import sys, yaml
+out, manifest = sys.argv[1], sys.argv[2]
+maps = [d for d in yaml.safe_load_all(open(manifest)) if d and d.get("kind") == "ConfigMap"]
+open(out, "w").write(maps[0]["data"]["routing.toml"])
+PY
+  env -i "$1" --config "$WORK/routing.toml" check-config >/dev/null
+}
+export -f example_routing_valid
+check "k8s: the example's routing file is accepted by tributary check-config" \
+  example_routing_valid "$BIN_DIR/tributary"
+
 # ---- Kubernetes: custom resources ------------------------------------------------------------------------------
 check "k8s: ServiceMonitor valid against the prometheus-operator CRD schema and types (kubernetes-models, tsc)" \
   node "$VALIDATE/validate-crds.mjs" --min 1 "$WORK/k8s.yaml"

@@ -204,7 +204,24 @@ for port in "$SIM_OK" "$SIM_SLOW" "$SIM_FLAKY"; do
 done
 pass "three downstream simulators answer /healthz"
 
+# Grey releases: carts gets a canary on the flaky simulator for half of the users, judged every
+# second, so the variant series, the canary-against-stable rules and the rollback alert have data.
+# It must roll back within the traffic window, but not before Prometheus's first scrape (5-6 s
+# after it is ready), or no rate of the canary's calls is ever seen: 600 calls at the ~50 canary
+# calls per second this traffic makes take about 12 s.
+cat >"$OBS_WORK/grey.toml" <<EOF
+[downstreams.carts.variants.canary]
+base_url = "http://127.0.0.1:$SIM_FLAKY"
+
+[[downstreams.carts.rules]]
+variant = "canary"
+percent = 50
+EOF
+
 (
+  export TRIBUTARY_CONFIG=$OBS_WORK/grey.toml
+  export TRIBUTARY_ROUTING__ROLLBACK__MIN_CALLS=600
+  export TRIBUTARY_ROUTING__ROLLBACK__INTERVAL=1s
   export TRIBUTARY_SERVER__LISTEN=127.0.0.1:$GATEWAY
   export TRIBUTARY_SERVER__OPS_LISTEN=127.0.0.1:$OPS
   export TRIBUTARY_DOWNSTREAMS__USERS__BASE_URL=http://127.0.0.1:$SIM_OK

@@ -307,7 +307,8 @@ async fn exchange(shared: &Shared, sender: &mut SendRequest<Empty<Bytes>>) -> Op
     }
 }
 
-/// A 200 is degraded when the dashboard's `"degraded":[...]` list (its last field) names a part.
+/// A 200 is degraded when the dashboard's `"degraded":[...]` list (after every part; only
+/// `stale` follows it) names a part.
 fn is_degraded(body: &[u8]) -> bool {
     const KEY: &[u8] = b"\"degraded\":[";
     body.windows(KEY.len())

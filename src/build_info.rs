@@ -1,18 +1,18 @@
 //! What this binary is: the package version and the git revision it was built from.
 //!
-//! The revision is a compile-time input, `TRIBUTARY_GIT_REVISION` (the Dockerfile sets it from its
-//! `GIT_REVISION` build argument; any build can pass `git rev-parse HEAD`). It is read with
-//! `option_env!` rather than asked of git by a build script, so a build needs no `.git/` (the
-//! image's build context has none) and a new commit alone does not recompile anything; cargo
-//! still rebuilds when the variable changes. `tributary --version` and the
-//! `tributary_build_info{version,revision}` gauge report the same two values.
+//! The revision is a compile-time input, `TRIBUTARY_GIT_REVISION`, read with `option_env!`: the
+//! Dockerfile sets it from its `GIT_REVISION` build argument (the image's build context has no
+//! `.git/`), and otherwise `build.rs` sets it from `git rev-parse --short=12 HEAD` when the
+//! build runs in a git checkout, so that `cargo build` and `make dev` name their commit too.
+//! `tributary --version` and the `tributary_build_info{version,revision}` gauge report the same
+//! two values.
 
 use std::sync::LazyLock;
 
 /// The package version from `Cargo.toml`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// The git revision given at build time, or `unknown` when none was given.
+/// The git revision given at build time or found by `build.rs`, or `unknown` without either.
 pub const REVISION: &str = match option_env!("TRIBUTARY_GIT_REVISION") {
     Some(revision) if !revision.is_empty() => revision,
     _ => "unknown",

@@ -37,6 +37,9 @@ pub struct RequestContext {
     pub deadline: Instant,
     /// Set by handlers once the path has been parsed.
     user_id: OnceLock<i64>,
+    /// The variants the request's parts went to (`carts=canary`), when any did not go to
+    /// stable; set by the dashboard handler once it has routed the request.
+    variants: OnceLock<Box<str>>,
 }
 
 /// Trace identifiers as lowercase hex, ready for `traceparent`.
@@ -57,6 +60,7 @@ impl RequestContext {
             trace,
             deadline,
             user_id: OnceLock::new(),
+            variants: OnceLock::new(),
         }
     }
 
@@ -74,6 +78,16 @@ impl RequestContext {
 
     pub fn user_id(&self) -> Option<i64> {
         self.user_id.get().copied()
+    }
+
+    /// Records where the request's parts went (the first call wins: a request is routed once).
+    pub fn set_variants(&self, tag: impl Into<Box<str>>) {
+        let _ = self.variants.set(tag.into());
+    }
+
+    /// `carts=canary,promotions=v2`, when any part went to a variant.
+    pub fn variants(&self) -> Option<&str> {
+        self.variants.get().map(|v| &**v)
     }
 
     /// The `traceparent` header value for an outgoing call made on behalf of this request.

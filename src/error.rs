@@ -29,6 +29,9 @@ pub(crate) enum ApiError {
     /// 404: the route or the resource does not exist.
     #[error("not found")]
     NotFound,
+    /// 404: an admin request names a downstream that does not exist or has no cache.
+    #[error("no such cache: {0}")]
+    NoSuchCache(String),
     /// 405: the route exists but not with this method.
     #[error("method not allowed")]
     MethodNotAllowed,
@@ -124,7 +127,7 @@ impl ApiError {
     pub(crate) fn status(&self) -> StatusCode {
         match self {
             ApiError::Validation { .. } => StatusCode::BAD_REQUEST,
-            ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::NotFound | ApiError::NoSuchCache(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::IdempotencyConflict => StatusCode::CONFLICT,
             ApiError::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
@@ -148,6 +151,7 @@ impl ApiError {
                 Some(field.clone()),
             ),
             ApiError::NotFound => ("not-found", None, None),
+            ApiError::NoSuchCache(detail) => ("not-found", Some(detail.clone()), None),
             ApiError::MethodNotAllowed => ("method-not-allowed", None, None),
             ApiError::IdempotencyConflict => (
                 "idempotency-conflict",
@@ -251,19 +255,28 @@ pub(crate) fn chain(e: &dyn std::error::Error) -> String {
 }
 
 /// RFC 9457 problem details.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub(crate) struct Problem {
+    /// A relative URI naming the kind of problem, e.g. `/problems/validation`.
     #[serde(rename = "type")]
+    #[schema(example = "/problems/validation")]
     pub kind: String,
+    /// The status's reason phrase.
+    #[schema(value_type = String, example = "Bad Request")]
     pub title: &'static str,
+    #[schema(minimum = 400, maximum = 599)]
     pub status: u16,
+    /// What was wrong, for a person.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     pub detail: Option<String>,
-    /// Extension member: which input was wrong.
+    /// Extension member: which input was wrong (`items[0].quantity`, `Idempotency-Key`).
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     pub field: Option<String>,
     /// Extension member: the request id, to quote to support.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     pub request_id: Option<String>,
 }
 

@@ -10,6 +10,10 @@
 //! Each part is timed: the slowest one is the request's critical path (counted by part), and
 //! the request time minus the slowest part is the gateway's own overhead — the direct answer
 //! to "is the gateway the bottleneck?". Both are also sent to the client in `Server-Timing`.
+//!
+//! A service with a cache (`downstreams.<service>.cache`) answers through it; a part that a
+//! stale entry stood in for is listed in `stale` (it is not degraded: the client has data, only
+//! older), and `Server-Timing` says which parts came from the cache.
 
 use std::{fmt::Write, time::Duration};
 
@@ -22,8 +26,9 @@ use crate::{
     context,
     db::{Db, DbError, orders::OrderSummary},
     domain::{Part, Service},
-    downstream::{CallError, Downstream, Downstreams, Outcome},
-    error::ApiError,
+    downstream::{CallError, Outcome, cache::Source},
+    error::{ApiError, chain},
+    routing::Route,
     telemetry::Family,
 };
 
@@ -43,34 +48,82 @@ pub(crate) const DEGRADED: Family = Family::counter(
 /// The families this module records.
 pub(crate) const FAMILIES: &[Family] = &[CRITICAL_PATH, GATEWAY_OVERHEAD, DEGRADED];
 
-/// The merged response.
-#[derive(Debug, Serialize)]
+/// The merged response. Each downstream's part is its JSON body, embedded as it came (any
+/// JSON value: the gateway checks that it is JSON, not its shape).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub(crate) struct Dashboard {
+    #[schema(minimum = 1)]
     pub user_id: i64,
+    /// From the users service; the required part.
+    #[schema(value_type = serde_json::Value)]
     pub profile: Box<RawValue>,
+    /// From the carts service; `null` when degraded.
+    #[schema(value_type = Option<serde_json::Value>)]
     pub cart: Option<Box<RawValue>>,
+    /// From the recommendations service; `null` when degraded.
+    #[schema(value_type = Option<serde_json::Value>)]
     pub recommendations: Option<Box<RawValue>>,
+    /// From the promotions service; `null` when degraded.
+    #[schema(value_type = Option<serde_json::Value>)]
     pub promotions: Option<Box<RawValue>>,
+    /// From the notifications service; `null` when degraded.
+    #[schema(value_type = Option<serde_json::Value>)]
     pub notifications: Option<Box<RawValue>>,
+    /// The user's five newest orders, from Postgres; `null` when degraded.
+    #[schema(max_items = 5)]
     pub recent_orders: Option<Vec<OrderSummary>>,
     /// Optional parts that failed or timed out and are `null` above.
+    #[schema(schema_with = degraded_schema)]
     pub degraded: Vec<&'static str>,
+    /// Parts whose fresh call failed or was too late and that a cached answer, older than its
+    /// freshness but within `stale_if_error`, stands in for.
+    #[schema(schema_with = stale_schema)]
+    pub stale: Vec<&'static str>,
 }
 
-/// Per-part durations for `Server-Timing`.
+/// `degraded`: a list of the optional parts' names.
+fn degraded_schema() -> utoipa::openapi::Array {
+    let part = utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(Part::OPTIONAL.map(Part::field)));
+    utoipa::openapi::ArrayBuilder::new()
+        .items(part)
+        .max_items(Some(Part::OPTIONAL.len()))
+        .unique_items(true)
+        .build()
+}
+
+/// `stale`: a list of the parts' names (the required profile included: a stale profile is
+/// still a profile).
+fn stale_schema() -> utoipa::openapi::Array {
+    let part = utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(Part::ALL.map(Part::field)));
+    utoipa::openapi::ArrayBuilder::new()
+        .items(part)
+        .max_items(Some(Part::ALL.len()))
+        .unique_items(true)
+        .build()
+}
+
+/// Per-part durations for `Server-Timing`, with where a cached part came from.
 #[derive(Debug, Default)]
 pub(crate) struct Timings {
-    parts: Vec<(Part, Duration)>,
+    parts: Vec<(Part, Duration, Option<&'static str>)>,
     total: Duration,
 }
 
 impl Timings {
-    /// `Server-Timing: users;dur=12.1, carts;dur=9.8, ..., gateway;dur=0.3, total;dur=12.6`
+    /// `Server-Timing: users;dur=12.1, carts;dur=9.8, promotions;desc=hit;dur=0.0, ...,
+    /// gateway;dur=0.3, total;dur=12.6`
     pub(crate) fn header_value(&self) -> String {
         let mut out = String::with_capacity(160);
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-        for (part, d) in &self.parts {
-            let _ = write!(out, "{};dur={:.1}, ", part.label(), ms(*d));
+        for (part, d, desc) in &self.parts {
+            let _ = match desc {
+                Some(desc) => write!(out, "{};desc={desc};dur={:.1}, ", part.label(), ms(*d)),
+                None => write!(out, "{};dur={:.1}, ", part.label(), ms(*d)),
+            };
         }
         let slowest = self.parts.iter().map(|p| p.1).max().unwrap_or_default();
         let _ = write!(
@@ -83,13 +136,42 @@ impl Timings {
     }
 }
 
-/// An optional part's result: its value, or how its call ended instead; and how long it took.
-type Optional<T> = (Result<T, Outcome>, Duration);
+/// An optional part's result: its value, or why it is missing; and how long it took.
+type Optional<T> = (Result<T, Miss>, Duration);
 
-async fn optional_call(d: &Downstream, user_id: i64) -> Result<Optional<Box<RawValue>>, CallError> {
+/// Why an optional part is `null`: how its call ended, and the cause when it is news. A circuit
+/// that is open or a database known to be down has no cause of its own here: that was logged
+/// once, when it happened.
+#[derive(Debug)]
+struct Miss {
+    reason: Outcome,
+    cause: Option<String>,
+}
+
+impl Miss {
+    fn call(e: &CallError) -> Self {
+        let reason = e.outcome();
+        let cause = (reason != Outcome::CircuitOpen).then(|| chain(e));
+        Self { reason, cause }
+    }
+
+    fn query(e: &DbError) -> Self {
+        let cause = (!matches!(e, DbError::KnownDown)).then(|| chain(e));
+        Self {
+            reason: db_outcome(e),
+            cause,
+        }
+    }
+}
+
+async fn optional_call(
+    route: &Route<'_>,
+    service: Service,
+    user_id: i64,
+) -> Result<Optional<(Box<RawValue>, Source)>, CallError> {
     let started = Instant::now();
-    let r = d.fetch_user_part(user_id).await;
-    Ok((r.map_err(|e| e.outcome()), started.elapsed()))
+    let r = route.fetch_part(service, user_id).await;
+    Ok((r.map_err(|e| Miss::call(&e)), started.elapsed()))
 }
 
 /// How a query for a part ended, in the downstream calls' terms.
@@ -104,9 +186,10 @@ fn db_outcome(e: &DbError) -> Outcome {
     }
 }
 
-/// Runs the fan-out for one user: the five services' parts and the recent orders.
+/// Runs the fan-out for one user: the five services' parts and the recent orders, each
+/// service's part from the deployment `route` chose for it (stable, or a variant).
 pub(crate) async fn dashboard(
-    downstreams: &Downstreams,
+    route: &Route<'_>,
     db: &Db,
     metrics: &FanoutMetrics,
     user_id: i64,
@@ -114,13 +197,12 @@ pub(crate) async fn dashboard(
     let started = Instant::now();
     let required = async {
         let t = Instant::now();
-        downstreams
-            .get(Service::Users)
-            .fetch_user_part(user_id)
+        route
+            .fetch_part(Service::Users, user_id)
             .await
             .map(|v| (v, t.elapsed()))
     };
-    let optional = |service| optional_call(downstreams.get(service), user_id);
+    let optional = |service| optional_call(route, service, user_id);
     let orders = async {
         let t = Instant::now();
         // The pool wait is bounded by the budget and the server cancels the statement at its
@@ -130,17 +212,11 @@ pub(crate) async fn dashboard(
         // deadline turning the whole dashboard into a 504.
         let r = match tokio::time::timeout_at(context::deadline(), db.recent_orders(user_id)).await
         {
-            Ok(r) => r.map_err(|e| {
-                // A known outage was logged once when it began, not once per request.
-                if !matches!(e, DbError::KnownDown) {
-                    tracing::warn!(error = %e, "recent orders unavailable");
-                }
-                db_outcome(&e)
+            Ok(r) => r.map_err(|e| Miss::query(&e)),
+            Err(_) => Err(Miss {
+                reason: Outcome::Timeout,
+                cause: Some("no answer within the deadline".into()),
             }),
-            Err(_) => {
-                tracing::warn!("recent orders unavailable: no answer within the deadline");
-                Err(Outcome::Timeout)
-            }
         };
         Ok::<_, CallError>((r, t.elapsed()))
     };
@@ -162,34 +238,55 @@ pub(crate) async fn dashboard(
         parts: Vec::with_capacity(Part::ALL.len()),
         total,
     };
-    timings.parts.push((Part::Profile, profile.1));
+    let ((profile, profile_source), profile_took) = profile;
+    timings
+        .parts
+        .push((Part::Profile, profile_took, profile_source.timing_desc()));
     let mut degraded = Vec::new();
-    let mut take = |part: Part, (r, d): Optional<Box<RawValue>>| {
-        timings.parts.push((part, d));
-        r.map_err(|reason| metrics.degrade(&mut degraded, part, reason))
-            .ok()
+    let mut stale = Vec::new();
+    if profile_source == Source::Stale {
+        stale.push(Part::Profile.field());
+    }
+    let mut take = |part: Part, (r, d): Optional<(Box<RawValue>, Source)>| {
+        let source = r.as_ref().ok().and_then(|(_, source)| source.timing_desc());
+        timings.parts.push((part, d, source));
+        match r {
+            Ok((body, source)) => {
+                if source == Source::Stale {
+                    stale.push(part.field());
+                }
+                Some(body)
+            }
+            Err(miss) => {
+                metrics.degrade(&mut degraded, part, miss);
+                None
+            }
+        }
     };
     let cart = take(Part::Cart, cart);
     let recommendations = take(Part::Recommendations, recommendations);
     let promotions = take(Part::Promotions, promotions);
     let notifications = take(Part::Notifications, notifications);
-    timings.parts.push((Part::RecentOrders, recent_orders.1));
+    timings
+        .parts
+        .push((Part::RecentOrders, recent_orders.1, None));
     let recent_orders = recent_orders
         .0
-        .map_err(|reason| metrics.degrade(&mut degraded, Part::RecentOrders, reason))
+        .map_err(|miss| metrics.degrade(&mut degraded, Part::RecentOrders, miss))
         .ok();
 
     metrics.record(&timings);
     Ok((
         Dashboard {
             user_id,
-            profile: profile.0,
+            profile,
             cart,
             recommendations,
             promotions,
             notifications,
             recent_orders,
             degraded,
+            stale,
         },
         timings,
     ))
@@ -229,8 +326,16 @@ impl FanoutMetrics {
         }
     }
 
-    /// An optional part is null: listed in `degraded`, and counted.
-    fn degrade(&self, degraded: &mut Vec<&'static str>, part: Part, reason: Outcome) {
+    /// An optional part is null: listed in `degraded`, counted, and logged as one line that
+    /// names the part, the reason and the cause (inside the request's span, so with its id).
+    fn degrade(&self, degraded: &mut Vec<&'static str>, part: Part, miss: Miss) {
+        let reason = miss.reason;
+        tracing::warn!(
+            part = part.field(),
+            reason = reason.as_str(),
+            error = miss.cause.as_deref(),
+            "dashboard part degraded"
+        );
         degraded.push(part.field());
         let row = Part::OPTIONAL.iter().position(|p| *p == part);
         let column = Outcome::ALL.iter().position(|o| *o == reason);
@@ -240,7 +345,7 @@ impl FanoutMetrics {
     }
 
     fn record(&self, t: &Timings) {
-        if let Some((part, slowest)) = t.parts.iter().max_by_key(|p| p.1) {
+        if let Some((part, slowest, _)) = t.parts.iter().max_by_key(|p| p.1) {
             self.critical_path[*part as usize].increment(1);
             self.overhead
                 .record(t.total.saturating_sub(*slowest).as_secs_f64());
@@ -269,7 +374,8 @@ fn required_failure(e: CallError) -> ApiError {
         CallError::Status { status: 404, .. } => ApiError::NotFound,
         CallError::Status { service, .. }
         | CallError::Transport { service, .. }
-        | CallError::InvalidBody { service, .. } => ApiError::BadGateway { service, cause: e },
+        | CallError::InvalidBody { service, .. }
+        | CallError::Abandoned { service } => ApiError::BadGateway { service, cause: e },
     }
 }
 
@@ -288,6 +394,7 @@ mod tests {
             notifications: None,
             recent_orders: None,
             degraded: vec![],
+            stale: vec![],
         };
         let json = serde_json::to_value(&dashboard).unwrap();
         let mut fields: Vec<&str> = json
@@ -298,7 +405,7 @@ mod tests {
             .collect();
         fields.sort_unstable();
         let mut expected: Vec<&str> = Part::ALL.map(Part::field).to_vec();
-        expected.extend(["degraded", "user_id"]);
+        expected.extend(["degraded", "stale", "user_id"]);
         expected.sort_unstable();
         assert_eq!(fields, expected);
     }

@@ -16,6 +16,8 @@
 //!   [`downstream`] (one typed client per service, with bulkhead, breaker and retries),
 //!   [`admission`] and `ratelimit` (overload protection, 503, and per-client limits, 429),
 //!   and [`capacity`] (Little's-law sizing);
+//! - [`routing`]: grey releases — which deployment of a downstream serves a request, the live
+//!   comparison with stable, the automatic rollback and the reload;
 //! - `error`: the API's error type, every outcome a client can see, and the mapping of the
 //!   work's errors to them;
 //! - `fanout`: the concurrent dashboard fan-out with deadlines and partial results;
@@ -41,6 +43,7 @@ pub(crate) mod fanout;
 pub mod http;
 pub mod overload;
 pub(crate) mod ratelimit;
+pub mod routing;
 pub mod startup;
 pub mod telemetry;
 pub(crate) mod tls;
@@ -65,6 +68,7 @@ mod layering {
         &["telemetry"],
         &["overload"],
         &["db", "downstream", "admission", "ratelimit", "capacity"],
+        &["routing"],
         &["error"],
         &["fanout"],
         &["http"],

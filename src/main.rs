@@ -77,6 +77,8 @@ enum Command {
     },
     /// Load and validate the configuration, print it (secrets masked) and exit.
     CheckConfig,
+    /// Print the API's OpenAPI 3.1 document (what GET /openapi.json serves) and exit.
+    Openapi,
 }
 
 /// A finite number above zero.
@@ -120,8 +122,11 @@ fn headroom(s: &str) -> Result<f64, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let settings = match Settings::load(&Sources::from_process(cli.config.as_deref())) {
+    let sources = Sources::from_process(cli.config.as_deref());
+    let settings = match Settings::load(&sources) {
         Ok(s) => s,
+        // The document is the code's: the configuration does not change it.
+        Err(_) if matches!(cli.command, Some(Command::Openapi)) => Settings::default(),
         // The arithmetic needs no configuration: an unrelated bad setting must not stop it.
         Err(e) if matches!(cli.command, Some(Command::Capacity { .. })) => {
             eprintln!(
@@ -134,7 +139,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match run(cli.command.unwrap_or(Command::Serve), settings) {
+    match run(cli.command.unwrap_or(Command::Serve), settings, sources) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tributary: {e:#}");
@@ -143,8 +148,12 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
+fn run(command: Command, settings: Settings, sources: Sources) -> anyhow::Result<()> {
     match command {
+        Command::Openapi => {
+            print!("{}", tributary::http::openapi::render());
+            Ok(())
+        }
         Command::CheckConfig => {
             // Secrets print as *** and URL passwords are masked by their types.
             println!("{}", serde_json::to_string_pretty(&settings.printable()?)?);
@@ -185,12 +194,14 @@ fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
             if let Some(n) = settings.server.worker_threads {
                 runtime.worker_threads(n.get());
             }
-            runtime.build()?.block_on(async_main(command, settings))
+            runtime
+                .build()?
+                .block_on(async_main(command, settings, sources))
         }
     }
 }
 
-async fn async_main(command: Command, settings: Settings) -> anyhow::Result<()> {
+async fn async_main(command: Command, settings: Settings, sources: Sources) -> anyhow::Result<()> {
     match command {
         Command::Migrate => {
             let db = Db::connect_lazy(&settings.database)?;
@@ -209,7 +220,8 @@ async fn async_main(command: Command, settings: Settings) -> anyhow::Result<()> 
             Ok(())
         }
         _ => {
-            let app = Application::build(settings).await?;
+            // The routing (grey releases) reloads from the same sources on SIGHUP.
+            let app = Application::build(settings).await?.reload_from(sources);
             app.run_until_stopped(shutdown_signal()).await
         }
     }

@@ -48,6 +48,7 @@ use crate::{
     },
     overload::QueueDelay,
     ratelimit::RateLimiter,
+    routing::Routing,
     telemetry::{self, Family, Telemetry},
 };
 
@@ -60,8 +61,10 @@ pub const METRIC_FAMILIES: &[&[Family]] = &[
     crate::admission::FAMILIES,
     crate::ratelimit::FAMILIES,
     crate::downstream::FAMILIES,
+    crate::downstream::cache::FAMILIES,
     crate::db::FAMILIES,
     crate::fanout::FAMILIES,
+    crate::routing::FAMILIES,
 ];
 
 pub struct Application {
@@ -105,6 +108,11 @@ impl Application {
         // the breakers do not blame the downstreams for it.
         let queue_delay = QueueDelay::spawn(settings.overload.queue_delay_target, tasks.clone());
         let downstreams = Arc::new(Downstreams::new(&settings, client, &queue_delay));
+        let routing = Arc::new(Routing::new(
+            Arc::clone(&settings),
+            Arc::clone(&downstreams),
+            queue_delay.clone(),
+        )?);
         let admission = settings
             .admission
             .enabled
@@ -121,6 +129,7 @@ impl Application {
             settings: Arc::clone(&settings),
             db,
             downstreams,
+            routing,
             admission,
             rate_limiter,
             telemetry,
@@ -159,6 +168,13 @@ impl Application {
         &self.state
     }
 
+    /// Reload the routing (grey releases) from `sources` on SIGHUP, on the admin endpoint and,
+    /// with `routing.watch_config`, when the file changes.
+    pub fn reload_from(self, sources: crate::config::Sources) -> Self {
+        self.state.routing.reload_from(sources);
+        self
+    }
+
     /// Serves until `shutdown` resolves, then stops accepting, lets in-flight requests finish
     /// within `server.drain_timeout`, and closes the database pool.
     pub async fn run_until_stopped(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
@@ -177,9 +193,10 @@ impl Application {
         // Until the API has drained: a scrape during the drain still sees it.
         let ops = tokio::spawn(serve_ops(
             ops_listener,
-            ops_router(state.clone()),
+            crate::http::admin::with_routing_admin(ops_router(state.clone()), &state),
             tasks.clone(),
         ));
+        state.routing.spawn_tasks(tasks.clone());
         state.db.spawn_pool_sampler(tasks);
 
         let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -374,6 +391,8 @@ async fn migrate_with_retry(db: &Db, patience: Duration) -> anyhow::Result<()> {
     loop {
         match db.migrate().await {
             Ok(()) => return Ok(()),
+            // It will not appear by itself: say so now, not after the whole patience.
+            Err(e) if e.is::<crate::db::MissingDatabase>() => return Err(e),
             Err(e) if tokio::time::Instant::now() + delay < deadline => {
                 tracing::warn!(error = %e, "migrations failed; retrying");
                 tokio::time::sleep(delay).await;

@@ -53,6 +53,10 @@ pub struct Behaviour {
     #[serde(with = "humantime_serde")]
     pub cpu_work: Duration,
     pub mode: Mode,
+    /// `Cache-Control` sent with every successful answer (none when unset), for the gateway's
+    /// cache tests and the lab's caching scenario.
+    #[serde(default)]
+    pub cache_control: Option<String>,
 }
 
 impl Default for Behaviour {
@@ -64,6 +68,7 @@ impl Default for Behaviour {
             body_bytes: 512,
             cpu_work: Duration::ZERO,
             mode: Mode::Normal,
+            cache_control: None,
         }
     }
 }
@@ -91,6 +96,8 @@ pub struct Seen {
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
     pub budget_ms: Option<u64>,
+    /// The gateway's `x-tributary-variant`: which variant (grey release) it meant to call.
+    pub variant: Option<String>,
 }
 
 #[derive(Debug, Default, Serialize, Clone)]
@@ -224,6 +231,7 @@ async fn serve(
         traceparent: header("traceparent"),
         tracestate: header("tracestate"),
         budget_ms: header("x-request-budget-ms").and_then(|v| v.parse().ok()),
+        variant: header("x-tributary-variant"),
     });
 
     let delay = {
@@ -260,11 +268,23 @@ async fn serve(
     match b.mode {
         Mode::InvalidJson => (StatusCode::OK, "{not json").into_response(),
         Mode::NotFound => StatusCode::NOT_FOUND.into_response(),
-        _ => (
-            [(axum::http::header::CONTENT_TYPE, "application/json")],
-            body(service, user_id, b.body_bytes),
-        )
-            .into_response(),
+        _ => {
+            let mut response = (
+                [(axum::http::header::CONTENT_TYPE, "application/json")],
+                body(service, user_id, b.body_bytes),
+            )
+                .into_response();
+            if let Some(value) = b
+                .cache_control
+                .as_deref()
+                .and_then(|v| axum::http::HeaderValue::from_str(v).ok())
+            {
+                response
+                    .headers_mut()
+                    .insert(axum::http::header::CACHE_CONTROL, value);
+            }
+            response
+        }
     }
 }
 

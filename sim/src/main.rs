@@ -29,6 +29,9 @@ struct Args {
     /// CPU time burnt per request on a blocking thread.
     #[arg(long, env = "SIM_CPU_WORK", default_value = "0ms", value_parser = humantime::parse_duration)]
     cpu_work: Duration,
+    /// `Cache-Control` sent with every successful answer (e.g. `max-age=5`, `private`).
+    #[arg(long, env = "SIM_CACHE_CONTROL")]
+    cache_control: Option<String>,
     /// Tokio worker threads (default: one per core).
     #[arg(long, env = "SIM_WORKER_THREADS")]
     worker_threads: Option<usize>,
@@ -38,6 +41,14 @@ fn main() -> std::process::ExitCode {
     let args = Args::parse();
     if !(0.0..=1.0).contains(&args.error_rate) {
         eprintln!("downstream-sim: --error-rate must be between 0 and 1");
+        return std::process::ExitCode::from(2);
+    }
+    if args
+        .cache_control
+        .as_deref()
+        .is_some_and(|v| axum::http::HeaderValue::from_str(v).is_err())
+    {
+        eprintln!("downstream-sim: --cache-control is not a valid header value");
         return std::process::ExitCode::from(2);
     }
     let mut rt = tokio::runtime::Builder::new_multi_thread();
@@ -60,6 +71,7 @@ fn main() -> std::process::ExitCode {
             body_bytes: args.body_bytes,
             cpu_work: args.cpu_work,
             mode: Mode::Normal,
+            cache_control: args.cache_control,
         };
         let handle = match sim::spawn(args.listen, behaviour).await {
             Ok(h) => h,

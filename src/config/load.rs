@@ -10,7 +10,7 @@ use figment::{
     value::{Dict, Value},
 };
 
-use super::{AdmissionGroupSettings, RouteGroup, Settings};
+use super::{AdmissionGroupSettings, CacheSettings, RouteGroup, Settings};
 
 /// Environment variables with the `TRIBUTARY_` prefix that are not settings: the file to
 /// load, and a build input read at compile time.
@@ -149,6 +149,10 @@ fn known_keys() -> Vec<String> {
                 max_wait: Some(template.admission.max_wait),
             },
         );
+    }
+    // A cache section is unset by default; its keys exist all the same.
+    for downstream in template.downstreams.iter_mut() {
+        downstream.cache = Some(CacheSettings::default());
     }
     let tree = serde_json::to_value(&template).expect("settings serialise to JSON");
     let mut keys = Vec::new();

@@ -22,6 +22,7 @@
 
 mod load;
 mod otel;
+pub mod routing;
 mod types;
 
 use std::{
@@ -37,6 +38,7 @@ use serde::{Deserialize, Serialize};
 pub use crate::domain::{RouteGroup, Service};
 pub use load::{ConfigError, Sources};
 pub use otel::{OtelEnv, OtelSettings, OtlpHeaders, SamplerKind, Source, Sourced};
+pub use routing::{RoutingSettings, VariantName, VariantSettings};
 pub use types::{Cidr, HttpUrl, Ratio, Secret};
 
 /// `n` as a `NonZeroUsize` in a `const` (the defaults below).
@@ -63,6 +65,8 @@ pub struct Settings {
     pub circuit_breaker: CircuitBreakerSettings,
     pub retry: RetrySettings,
     pub telemetry: TelemetrySettings,
+    /// Grey releases: the admin endpoints and the automatic rollback (`routing.rs`).
+    pub routing: RoutingSettings,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -114,6 +118,10 @@ pub struct ServerSettings {
     pub listen_backlog: u32,
     /// Tokio worker threads; unset means one per core.
     pub worker_threads: Option<NonZeroUsize>,
+    /// Serve the administrative endpoints (`DELETE /admin/cache/...`) on `ops_listen`. Off by
+    /// default: the operations port is often reachable by more than the operators (a scraper,
+    /// a sidecar), and dropping a cache on purpose is an operator's decision.
+    pub admin: bool,
 }
 
 impl Default for ServerSettings {
@@ -133,6 +141,7 @@ impl Default for ServerSettings {
             max_connections: nonzero(20_000),
             listen_backlog: 4096,
             worker_threads: None,
+            admin: false,
         }
     }
 }
@@ -283,6 +292,14 @@ pub struct DownstreamSettings {
     /// Send a second, hedged request when the first has not answered after this long.
     #[serde(with = "humantime_serde")]
     pub hedge_after: Option<Duration>,
+    /// Grey releases: other deployments of this service, by name (see `routing.rs`).
+    pub variants: BTreeMap<VariantName, VariantSettings>,
+    /// Which requests go to a variant, in order: the first rule that matches decides; a
+    /// request no rule matches goes to this downstream itself (`stable`).
+    pub rules: Vec<routing::Rule>,
+    /// Cache this service's answers (see `docs/caching.md`); unset (the default) calls the
+    /// service for every request and costs nothing.
+    pub cache: Option<CacheSettings>,
 }
 
 impl Default for DownstreamSettings {
@@ -294,6 +311,62 @@ impl Default for DownstreamSettings {
             timeout: Duration::from_millis(500),
             max_concurrency: nonzero(1024),
             hedge_after: None,
+            variants: BTreeMap::new(),
+            rules: Vec::new(),
+            cache: None,
+        }
+    }
+}
+
+/// Whose requests share a cached answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheKey {
+    /// One entry per user: the answer depends on who asks (a cart, notifications).
+    PerUser,
+    /// One entry for everybody: the answer is the same for every user (site-wide
+    /// promotions). Only for services that ignore the user id in the path.
+    Shared,
+}
+
+impl CacheKey {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheKey::PerUser => "per_user",
+            CacheKey::Shared => "shared",
+        }
+    }
+}
+
+/// One downstream's cache policy.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheSettings {
+    pub key: CacheKey,
+    /// How long an answer is served without calling the service again (its freshness). A
+    /// shorter `max-age` from the service shortens it; nothing lengthens it.
+    #[serde(with = "types::positive_duration")]
+    pub ttl: Duration,
+    /// Follow the service's `Cache-Control`: `no-store` is never stored, `private` never in a
+    /// `shared` cache, `no-cache` and `max-age=0` are not fresh, `max-age` (and, in a shared
+    /// cache, `s-maxage`) caps `ttl`.
+    pub honour_cache_control: bool,
+    /// Bound of the cache's memory: the bodies plus their keys, in bytes.
+    pub max_bytes: std::num::NonZeroU64,
+    /// How long past its freshness an answer is kept to stand in for a failed or late call
+    /// (served and listed in the dashboard's `stale`); 0 turns that off.
+    #[serde(with = "humantime_serde")]
+    pub stale_if_error: Duration,
+}
+
+impl Default for CacheSettings {
+    fn default() -> Self {
+        Self {
+            key: CacheKey::PerUser,
+            ttl: Duration::from_secs(30),
+            honour_cache_control: true,
+            max_bytes: std::num::NonZeroU64::new(16 * 1024 * 1024).expect("a non-zero default"),
+            stale_if_error: Duration::ZERO,
         }
     }
 }
@@ -634,11 +707,27 @@ impl Settings {
                 server.ops_listen, server.listen
             ));
         }
+        if self
+            .downstreams
+            .users
+            .cache
+            .as_ref()
+            .is_some_and(|c| c.key == CacheKey::Shared)
+        {
+            problems.push(
+                "downstreams.users.cache.key must be \"per_user\": the profile is the user's own"
+                    .into(),
+            );
+        }
         let adm = &self.admission;
         if adm.ready_shed_ratio > adm.unready_shed_ratio {
             problems.push(
                 "admission.ready_shed_ratio must not exceed admission.unready_shed_ratio (no hysteresis otherwise)".into(),
             );
+        }
+        for service in Service::ALL {
+            let d = self.downstreams.get(service);
+            routing::validate(service.as_str(), &d.variants, &d.rules, &mut problems);
         }
         if problems.is_empty() {
             Ok(())

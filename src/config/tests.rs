@@ -274,3 +274,61 @@ fn group_overrides_fall_back_to_the_global_admission_values() {
         Duration::from_millis(100)
     );
 }
+
+#[test]
+fn a_downstream_cache_is_off_by_default_and_set_up_by_its_keys() {
+    let s = load(&[]).unwrap();
+    assert!(
+        Service::ALL
+            .iter()
+            .all(|d| s.downstreams.get(*d).cache.is_none())
+    );
+    assert!(!s.server.admin);
+    let s = load(&[
+        ("TRIBUTARY_DOWNSTREAMS__PROMOTIONS__CACHE__KEY", "shared"),
+        ("TRIBUTARY_DOWNSTREAMS__PROMOTIONS__CACHE__TTL", "5s"),
+        (
+            "TRIBUTARY_DOWNSTREAMS__PROMOTIONS__CACHE__STALE_IF_ERROR",
+            "1m",
+        ),
+        ("TRIBUTARY_DOWNSTREAMS__CARTS__CACHE__MAX_BYTES", "65536"),
+        ("TRIBUTARY_SERVER__ADMIN", "true"),
+    ])
+    .unwrap();
+    let promotions = s.downstreams.promotions.cache.as_ref().unwrap();
+    assert_eq!(promotions.key, CacheKey::Shared);
+    assert_eq!(promotions.ttl, Duration::from_secs(5));
+    assert_eq!(promotions.stale_if_error, Duration::from_secs(60));
+    assert!(promotions.honour_cache_control);
+    let carts = s.downstreams.carts.cache.as_ref().unwrap();
+    assert_eq!(
+        carts.key,
+        CacheKey::PerUser,
+        "per_user unless told otherwise"
+    );
+    assert_eq!(carts.max_bytes.get(), 65536);
+    assert!(s.server.admin);
+}
+
+#[test]
+fn bad_cache_settings_are_reported_with_their_path() {
+    let err = problems(&[
+        ("TRIBUTARY_DOWNSTREAMS__PROMOTIONS__CACHE__KEY", "everyone"),
+        ("TRIBUTARY_DOWNSTREAMS__CARTS__CACHE__TTL", "0s"),
+        (
+            "TRIBUTARY_DOWNSTREAMS__NOTIFICATIONS__CACHE__MAX_BYTES",
+            "0",
+        ),
+        ("TRIBUTARY_DOWNSTREAMS__USERS__CACHE__KEY", "shared"),
+        ("TRIBUTARY_DOWNSTREAMS__RECOMMENDATIONS__CACHE__TTLL", "1s"),
+    ]);
+    for needle in [
+        "downstreams.promotions.cache.key: unknown variant: found `everyone`",
+        "downstreams.carts.cache.ttl: must be greater than zero",
+        "downstreams.notifications.cache.max_bytes: invalid value",
+        "downstreams.users.cache.key must be \"per_user\"",
+        "did you mean TRIBUTARY_DOWNSTREAMS__RECOMMENDATIONS__CACHE__TTL?",
+    ] {
+        assert!(err.contains(needle), "missing {needle:?} in {err}");
+    }
+}

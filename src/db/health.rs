@@ -48,6 +48,14 @@ pub(crate) enum DbState {
 }
 
 impl DbState {
+    /// Every state (the OpenAPI document lists their words).
+    pub(crate) const ALL: [DbState; 4] = [
+        DbState::Unknown,
+        DbState::Up,
+        DbState::MigrationsPending,
+        DbState::Down,
+    ];
+
     /// How `/readyz` names the state: a fixed word, never the driver's error text.
     pub(crate) fn as_str(self) -> &'static str {
         match self {

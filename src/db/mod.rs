@@ -200,6 +200,34 @@ pub(crate) enum DbError {
     Database(sqlx::Error),
 }
 
+/// The database named in `database.url` does not exist on its server. Waiting cannot help,
+/// so start-up stops at once with this one line instead of retrying.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "database \"{name}\" does not exist on {host}:{port}: create it with \
+     `createdb -h {host} -p {port} -U {user} {name}` (make dev creates it for you)"
+)]
+pub struct MissingDatabase {
+    name: String,
+    host: String,
+    port: u16,
+    user: String,
+}
+
+/// Postgres's `invalid_catalog_name`: the database in the connection string does not exist.
+const INVALID_CATALOG_NAME: &str = "3D000";
+
+/// Whether an error, or one of its causes, is the server saying the database does not exist.
+fn names_missing_database(e: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(e), |e| e.source()).any(|e| {
+        e.downcast_ref::<sqlx::Error>()
+            .and_then(sqlx::Error::as_database_error)
+            .and_then(|db| db.code())
+            .as_deref()
+            == Some(INVALID_CATALOG_NAME)
+    })
+}
+
 /// Postgres's `query_canceled`, which a `statement_timeout` raises.
 const QUERY_CANCELED: &str = "57014";
 
@@ -233,12 +261,12 @@ fn is_unavailable(e: &sqlx::Error) -> bool {
         | sqlx::Error::WorkerCrashed => true,
         sqlx::Error::Database(db) => db.code().is_some_and(|code| {
             // Class 08: connection exception; 28: invalid authorization (no such role, wrong
-            // password); 3D000: no such database; 57P01-03: the server is shutting down,
+            // password); 3D000 (INVALID_CATALOG_NAME): no such database; 57P01-03: the server is shutting down,
             // crashed, or not yet accepting connections; 53300: too many connections.
             code.starts_with("08")
                 || code.starts_with("28")
                 || code.starts_with("57P")
-                || code == "3D000"
+                || code == INVALID_CATALOG_NAME
                 || code == "53300"
         }),
         _ => false,
@@ -282,10 +310,20 @@ impl Db {
         &self.pool
     }
 
-    /// Applies pending migrations.
+    /// Applies pending migrations. A database that does not exist is a [`MissingDatabase`],
+    /// which says how to create it.
     pub async fn migrate(&self) -> anyhow::Result<()> {
-        MIGRATOR.run(&self.pool).await?;
-        Ok(())
+        match MIGRATOR.run(&self.pool).await {
+            Ok(()) => Ok(()),
+            Err(e) if names_missing_database(&e) => Err(MissingDatabase {
+                name: self.options.get_database().unwrap_or("postgres").to_owned(),
+                host: self.options.get_host().to_owned(),
+                port: self.options.get_port(),
+                user: self.options.get_username().to_owned(),
+            }
+            .into()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The database's state for readiness: what the probe last saw when it is up or known

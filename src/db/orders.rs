@@ -16,9 +16,11 @@ use tracing::Instrument;
 use super::{Db, DbError, Statement};
 
 /// One line of the dashboard's `recent_orders`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub(crate) struct OrderSummary {
+    #[schema(minimum = 1)]
     pub id: i64,
+    #[schema(schema_with = status_schema)]
     pub status: String,
     pub total_cents: i64,
     pub created_at: DateTime<Utc>,
@@ -45,6 +47,20 @@ impl<'r> FromRow<'r, PgRow> for OrderSummary {
     }
 }
 
+/// An order's status: the values the `orders` table's CHECK constraint allows.
+fn status_schema() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some([
+            "created",
+            "paid",
+            "shipped",
+            "delivered",
+            "cancelled",
+        ]))
+        .build()
+}
+
 /// A validated order request (see `http::orders` for validation).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub(crate) struct NewOrder {
@@ -52,18 +68,26 @@ pub(crate) struct NewOrder {
     pub items: Vec<NewItem>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+/// One line of an order, as stored and returned (its SKU trimmed).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+#[schema(as = OrderItem)]
 pub(crate) struct NewItem {
+    #[schema(min_length = 1, max_length = 64, example = "SKU-1")]
     pub sku: String,
+    #[schema(minimum = 1, maximum = 10_000)]
     pub quantity: i32,
+    #[schema(minimum = 0)]
     pub unit_price_cents: i64,
 }
 
 /// An order as returned by the API.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub(crate) struct Order {
+    #[schema(minimum = 1)]
     pub id: i64,
+    #[schema(minimum = 1)]
     pub user_id: i64,
+    #[schema(schema_with = status_schema)]
     pub status: String,
     pub total_cents: i64,
     pub created_at: DateTime<Utc>,

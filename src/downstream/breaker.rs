@@ -107,8 +107,10 @@ impl Drop for Ticket<'_> {
 }
 
 pub struct Breaker {
-    /// The downstream's name, for the state-change log line.
+    /// The downstream's name and variant (`stable` for its own deployment), for the
+    /// state-change log line.
     name: &'static str,
+    variant: std::sync::Arc<str>,
     settings: CircuitBreakerSettings,
     inner: Mutex<Inner>,
     gauge: Gauge,
@@ -118,16 +120,27 @@ pub struct Breaker {
 }
 
 impl Breaker {
-    pub fn new(name: &'static str, settings: CircuitBreakerSettings, gauge: Gauge) -> Self {
+    pub fn new(
+        name: &'static str,
+        variant: std::sync::Arc<str>,
+        settings: CircuitBreakerSettings,
+        gauge: Gauge,
+    ) -> Self {
         let now = Instant::now();
         gauge.set(State::Closed.gauge_value());
         let transitions = State::ALL.map(|to| {
-            let c = metrics::counter!(super::CIRCUIT_TRANSITIONS.name, "downstream" => name, "to" => to.label());
+            let c = metrics::counter!(
+                super::CIRCUIT_TRANSITIONS.name,
+                "downstream" => name,
+                "variant" => variant.to_string(),
+                "to" => to.label()
+            );
             c.increment(0);
             c
         });
         Self {
             name,
+            variant,
             settings,
             inner: Mutex::new(Inner {
                 state: State::Closed,
@@ -237,7 +250,7 @@ impl Breaker {
 
     fn transition(&self, s: &mut Inner, to: State, now: Instant) {
         if s.state != to {
-            tracing::warn!(downstream = self.name, from = ?s.state, to = ?to, "circuit breaker state change");
+            tracing::warn!(downstream = self.name, variant = &*self.variant, from = ?s.state, to = ?to, "circuit breaker state change");
             self.transitions[to.index()].increment(1);
         }
         s.state = to;
@@ -262,6 +275,7 @@ mod tests {
     fn breaker() -> Breaker {
         Breaker::new(
             "test",
+            "stable".into(),
             CircuitBreakerSettings {
                 enabled: true,
                 failure_ratio: crate::config::Ratio::of(0.5),

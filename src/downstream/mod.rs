@@ -22,11 +22,17 @@
 //!
 //! One file (over 500 lines with its tests) because a call's path — breaker ticket, bulkhead,
 //! retries, hedging, the exchange and the verdict on its failure — is one sequence, best read
-//! top to bottom; the breaker, which has state of its own, is [`breaker`].
+//! top to bottom; the breaker, which has state of its own, is [`breaker`], and the optional
+//! answer cache in front of a client is [`cache`].
 
 pub mod breaker;
+pub mod cache;
+pub mod window;
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
 
 use bytes::{Bytes, BytesMut};
 use http::HeaderValue;
@@ -42,19 +48,27 @@ use tracing::{Instrument, Span};
 use url::Url;
 
 use crate::{
-    config::{HttpClientSettings, RetrySettings, Settings},
+    config::{
+        HttpClientSettings, HttpUrl, RetrySettings, Settings, VariantSettings, routing::STABLE,
+    },
     context::remaining,
     domain::Service,
     overload::QueueDelay,
     telemetry::Family,
 };
 use breaker::Breaker;
+use cache::{Directives, PartCache, Source};
+use window::Window;
+
+/// Header naming the variant a call was routed to (`stable` for the downstream's own
+/// deployment), sent only by a downstream that has variants: the colour follows the request.
+pub const VARIANT_HEADER: &str = "x-tributary-variant";
 
 /// Header carrying the caller's remaining budget in whole milliseconds.
 pub(crate) const BUDGET_HEADER: &str = "x-request-budget-ms";
 
 /// A call is not started with less budget than this left: it could not complete anyway.
-const MIN_CALL_BUDGET: Duration = Duration::from_millis(2);
+pub(crate) const MIN_CALL_BUDGET: Duration = Duration::from_millis(2);
 
 /// Largest downstream body accepted; a larger one is an error, not an allocation.
 const MAX_BODY_BYTES: usize = 1024 * 1024;
@@ -135,8 +149,9 @@ impl std::fmt::Display for TimeoutCause {
     }
 }
 
-/// Why a call produced no usable body.
-#[derive(Debug, thiserror::Error)]
+/// Why a call produced no usable body. `Clone`, so that one cached call's failure can answer
+/// every request that waited for it.
+#[derive(Debug, Clone, thiserror::Error)]
 pub(crate) enum CallError {
     #[error("{service} timed out: {cause}")]
     Timeout {
@@ -149,7 +164,7 @@ pub(crate) enum CallError {
     Transport {
         service: Service,
         #[source]
-        source: reqwest::Error,
+        source: Arc<reqwest::Error>,
     },
     #[error("{service} sent an invalid body: {reason}")]
     InvalidBody { service: Service, reason: String },
@@ -159,6 +174,10 @@ pub(crate) enum CallError {
     CircuitOpen { service: Service },
     #[error("no budget left to call {service}")]
     BudgetExhausted { service: Service },
+    /// A cached call's task ended without an answer (it panicked, or the runtime is shutting
+    /// down).
+    #[error("the call to {service} was abandoned")]
+    Abandoned { service: Service },
 }
 
 impl CallError {
@@ -167,7 +186,8 @@ impl CallError {
             CallError::Timeout { .. } => Outcome::Timeout,
             CallError::Status { .. }
             | CallError::Transport { .. }
-            | CallError::InvalidBody { .. } => Outcome::Error,
+            | CallError::InvalidBody { .. }
+            | CallError::Abandoned { .. } => Outcome::Error,
             CallError::Shed { .. } => Outcome::Shed,
             CallError::CircuitOpen { .. } => Outcome::CircuitOpen,
             CallError::BudgetExhausted { .. } => Outcome::BudgetExhausted,
@@ -200,19 +220,19 @@ pub(crate) fn build_client(settings: &HttpClientSettings) -> anyhow::Result<reqw
 
 pub(crate) const REQUEST_DURATION: Family = Family::seconds(
     "tributary_downstream_request_duration_seconds",
-    "Duration of downstream calls, by service and outcome.",
+    "Duration of downstream calls, by service, variant (stable, or a configured grey-release variant) and outcome.",
 );
 pub(crate) const REQUESTS: Family = Family::counter(
     "tributary_downstream_requests_total",
-    "Downstream calls by service and outcome (ok, error, timeout, shed, circuit_open, budget_exhausted).",
+    "Downstream calls by service, variant (stable, or a configured grey-release variant) and outcome (ok, error, timeout, shed, circuit_open, budget_exhausted).",
 );
 pub(crate) const IN_FLIGHT: Family = Family::gauge(
     "tributary_downstream_in_flight",
-    "Downstream calls in flight per service (bulkhead occupancy).",
+    "Downstream calls in flight per service and variant (bulkhead occupancy).",
 );
 pub(crate) const CIRCUIT_STATE: Family = Family::gauge(
     "tributary_downstream_circuit_state",
-    "Circuit breaker state per service: 0 closed, 1 half-open, 2 open.",
+    "Circuit breaker state per service and variant: 0 closed, 1 half-open, 2 open.",
 );
 pub(crate) const RETRIES: Family = Family::counter(
     "tributary_downstream_retries_total",
@@ -255,20 +275,22 @@ struct Instruments {
 }
 
 impl Instruments {
-    fn register(service: Service) -> Self {
+    /// `variant` is a bounded label: `stable`, or a name the configuration declares.
+    fn register(service: Service, variant: &str) -> Self {
         let service = service.as_str();
+        let v = || variant.to_owned();
         Self {
-            in_flight: metrics::gauge!(IN_FLIGHT.name, "downstream" => service),
-            retries: metrics::counter!(RETRIES.name, "downstream" => service),
-            hedges: metrics::counter!(HEDGES.name, "downstream" => service),
+            in_flight: metrics::gauge!(IN_FLIGHT.name, "downstream" => service, "variant" => v()),
+            retries: metrics::counter!(RETRIES.name, "downstream" => service, "variant" => v()),
+            hedges: metrics::counter!(HEDGES.name, "downstream" => service, "variant" => v()),
             requests: Outcome::ALL.map(|o| {
-                metrics::counter!(REQUESTS.name, "downstream" => service, "outcome" => o.as_str())
+                metrics::counter!(REQUESTS.name, "downstream" => service, "variant" => v(), "outcome" => o.as_str())
             }),
             duration: Outcome::ALL.map(|o| {
-                metrics::histogram!(REQUEST_DURATION.name, "downstream" => service, "outcome" => o.as_str())
+                metrics::histogram!(REQUEST_DURATION.name, "downstream" => service, "variant" => v(), "outcome" => o.as_str())
             }),
             ignored: [TimeoutCause::RequestBudget, TimeoutCause::GatewaySaturated].map(|c| {
-                let counter = metrics::counter!(BREAKER_IGNORED.name, "downstream" => service, "reason" => c.as_str());
+                let counter = metrics::counter!(BREAKER_IGNORED.name, "downstream" => service, "variant" => v(), "reason" => c.as_str());
                 counter.increment(0);
                 counter
             }),
@@ -282,9 +304,25 @@ impl Instruments {
     }
 }
 
-/// A typed client for one downstream service.
+/// A successful call: the body, and what the service said about caching it (read only when
+/// the service has a cache; otherwise the default, which costs nothing).
+pub(crate) struct Fetched {
+    pub(crate) body: Box<RawValue>,
+    pub(crate) directives: Directives,
+}
+
+/// A typed client for one downstream service: its own deployment (`stable`), or one variant of
+/// it (a grey release), each an instance of its own with its own pool, bulkhead and breaker.
 pub struct Downstream {
     service: Service,
+    /// `stable`, or the variant's configured name: the `variant` label and the span's
+    /// `service.version`.
+    variant: Arc<str>,
+    /// [`VARIANT_HEADER`]'s value.
+    variant_header: HeaderValue,
+    /// The live comparison's window, set once the downstream has variants; while it is unset
+    /// (no variants) a call records nothing more and sends no variant header.
+    window: OnceLock<Window>,
     /// `{base_url}/{service}/`, parsed once; a call sets its path to this one's plus the user
     /// id. Handing reqwest a `Url` instead of a string saves a full parse per call (host,
     /// IDNA and all: about 6,000 instructions, 4 % of a dashboard's).
@@ -292,6 +330,7 @@ pub struct Downstream {
     timeout: Duration,
     hedge_after: Option<Duration>,
     bulkhead: Arc<Semaphore>,
+    max_concurrency: usize,
     breaker: Breaker,
     retry: RetrySettings,
     retry_budget: TpsBudget,
@@ -300,6 +339,19 @@ pub struct Downstream {
     request_deadline: Duration,
     queue_delay: QueueDelay,
     metrics: Instruments,
+    /// Whether `Cache-Control` is read from the answers: only for a service with a cache that
+    /// honours it.
+    reads_cache_control: bool,
+}
+
+/// What one instance is built from: its own part of the settings.
+struct Own<'a> {
+    base_url: &'a HttpUrl,
+    timeout: Duration,
+    max_concurrency: usize,
+    hedge_after: Option<Duration>,
+    /// Whether `Cache-Control` is read from the answers.
+    reads_cache_control: bool,
 }
 
 impl Downstream {
@@ -310,21 +362,74 @@ impl Downstream {
         client: reqwest::Client,
         queue_delay: QueueDelay,
     ) -> Self {
-        let (breaker, retry) = (&settings.circuit_breaker, &settings.retry);
         let own = settings.downstreams.get(service);
+        let own = Own {
+            base_url: &own.base_url,
+            timeout: own.timeout,
+            max_concurrency: own.max_concurrency.get(),
+            hedge_after: own.hedge_after,
+            reads_cache_control: own.cache.as_ref().is_some_and(|c| c.honour_cache_control),
+        };
+        Self::build(service, STABLE.into(), own, settings, client, queue_delay)
+    }
+
+    /// The client for one variant of `service`: an instance of its own, with a connection pool
+    /// of its own (a pool shared with stable would let a hanging canary hold connections that
+    /// stable's calls then wait for), compared with stable over `window`.
+    pub(crate) fn variant(
+        service: Service,
+        name: &str,
+        variant: &VariantSettings,
+        settings: &Settings,
+        queue_delay: QueueDelay,
+        window: Duration,
+    ) -> anyhow::Result<Self> {
+        let client = build_client(&HttpClientSettings {
+            pool_max_idle_per_host: variant.pool_max_idle_per_host,
+            ..settings.http_client.clone()
+        })?;
+        let own = Own {
+            base_url: &variant.base_url,
+            timeout: variant.timeout,
+            max_concurrency: variant.max_concurrency.get(),
+            hedge_after: variant.hedge_after,
+            // A variant is never cached (the cache holds stable's answers).
+            reads_cache_control: false,
+        };
+        let built = Self::build(service, name.into(), own, settings, client, queue_delay);
+        built.compare_over(window);
+        Ok(built)
+    }
+
+    fn build(
+        service: Service,
+        variant: Arc<str>,
+        own: Own<'_>,
+        settings: &Settings,
+        client: reqwest::Client,
+        queue_delay: QueueDelay,
+    ) -> Self {
+        let (breaker, retry) = (&settings.circuit_breaker, &settings.retry);
         let mut base = own.base_url.url().clone();
         base.set_path(&format!("{}/{service}/", base.path().trim_end_matches('/')));
         Self {
             service,
+            variant_header: HeaderValue::from_str(&variant)
+                .unwrap_or_else(|_| HeaderValue::from_static(STABLE)),
+            metrics: Instruments::register(service, &variant),
+            window: OnceLock::new(),
             base,
             timeout: own.timeout,
             hedge_after: own.hedge_after,
-            bulkhead: Arc::new(Semaphore::new(own.max_concurrency.get())),
+            bulkhead: Arc::new(Semaphore::new(own.max_concurrency)),
+            max_concurrency: own.max_concurrency,
             breaker: Breaker::new(
                 service.as_str(),
+                Arc::clone(&variant),
                 breaker.clone(),
-                metrics::gauge!(CIRCUIT_STATE.name, "downstream" => service.as_str()),
+                metrics::gauge!(CIRCUIT_STATE.name, "downstream" => service.as_str(), "variant" => variant.to_string()),
             ),
+            variant,
             retry: retry.clone(),
             retry_budget: TpsBudget::new(
                 Duration::from_secs(10),
@@ -334,12 +439,33 @@ impl Downstream {
             client,
             request_deadline: settings.server.request_deadline,
             queue_delay,
-            metrics: Instruments::register(service),
+            reads_cache_control: own.reads_cache_control,
         }
     }
 
     pub fn service(&self) -> Service {
         self.service
+    }
+
+    /// `stable`, or the variant's name.
+    pub fn variant_name(&self) -> &str {
+        &self.variant
+    }
+
+    /// Starts the live comparison (once; later calls keep the first window): from now on each
+    /// call is counted in the window and carries [`VARIANT_HEADER`].
+    pub(crate) fn compare_over(&self, window: Duration) {
+        self.window.get_or_init(|| Window::new(window));
+    }
+
+    /// The live comparison's window, once the downstream has variants.
+    pub fn window(&self) -> Option<&Window> {
+        self.window.get()
+    }
+
+    /// Calls in flight (bulkhead permits taken).
+    pub fn in_flight(&self) -> usize {
+        self.max_concurrency - self.bulkhead.available_permits()
     }
 
     pub fn breaker_state(&self) -> breaker::State {
@@ -354,12 +480,18 @@ impl Downstream {
     /// `GET {base}/{service}/{user_id}`: the body, validated as JSON and kept as raw text so it
     /// can be embedded in the response without a parse-and-reserialise round trip.
     pub(crate) async fn fetch_user_part(&self, user_id: i64) -> Result<Box<RawValue>, CallError> {
+        self.fetch(user_id).await.map(|f| f.body)
+    }
+
+    /// [`Self::fetch_user_part`] with the service's caching directives.
+    pub(crate) async fn fetch(&self, user_id: i64) -> Result<Fetched, CallError> {
         let span = tracing::info_span!(
             "downstream.call",
             otel.name = %format_args!("GET /{}/{{user_id}}", self.service),
             otel.kind = "client",
             http.request.method = "GET",
             server.address = self.service.as_str(),
+            service.version = &*self.variant,
             downstream = self.service.as_str(),
             http.response.status_code = tracing::field::Empty,
             outcome = tracing::field::Empty,
@@ -371,11 +503,15 @@ impl Downstream {
             Err(e) => e.outcome(),
         };
         span.record("outcome", outcome.as_str());
-        self.metrics.record(outcome, started.elapsed());
+        let elapsed = started.elapsed();
+        self.metrics.record(outcome, elapsed);
+        if let Some(window) = self.window.get() {
+            window.record(outcome, elapsed);
+        }
         result
     }
 
-    async fn call(&self, user_id: i64, span: &Span) -> Result<Box<RawValue>, CallError> {
+    async fn call(&self, user_id: i64, span: &Span) -> Result<Fetched, CallError> {
         let service = self.service;
         let started = Instant::now();
         // A ticket rather than a bare admission: if this future is dropped mid-call, the
@@ -453,12 +589,7 @@ impl Downstream {
 
     /// Sends a second request if the first is slower than `after`; the first success wins and
     /// the loser is cancelled by being dropped.
-    async fn hedged(
-        &self,
-        url: &Url,
-        after: Duration,
-        span: &Span,
-    ) -> Result<Box<RawValue>, CallError> {
+    async fn hedged(&self, url: &Url, after: Duration, span: &Span) -> Result<Fetched, CallError> {
         let first = self.attempt(url, span);
         tokio::pin!(first);
         tokio::select! {
@@ -488,7 +619,7 @@ impl Downstream {
 
     /// One HTTP exchange bounded by min(call timeout, remaining budget); the status goes on
     /// `span`, the call's (a no-op when call spans are not exported).
-    async fn attempt(&self, url: &Url, span: &Span) -> Result<Box<RawValue>, CallError> {
+    async fn attempt(&self, url: &Url, span: &Span) -> Result<Fetched, CallError> {
         let service = self.service;
         let budget = remaining();
         if budget < MIN_CALL_BUDGET {
@@ -513,11 +644,17 @@ impl Downstream {
         if let Some(tracestate) = tracestate {
             request = request.header("tracestate", tracestate);
         }
+        if self.window.get().is_some() {
+            request = request.header(VARIANT_HEADER, self.variant_header.clone());
+        }
         let exchange = async {
             let response = request
                 .send()
                 .await
-                .map_err(|source| CallError::Transport { service, source })?;
+                .map_err(|source| CallError::Transport {
+                    service,
+                    source: Arc::new(source),
+                })?;
             let status = response.status();
             // An i64: OpenTelemetry has no unsigned integers, and a u64 is exported as a string.
             span.record("http.response.status_code", i64::from(status.as_u16()));
@@ -527,16 +664,26 @@ impl Downstream {
                     status: status.as_u16(),
                 });
             }
+            let directives = if self.reads_cache_control {
+                response
+                    .headers()
+                    .get(http::header::CACHE_CONTROL)
+                    .and_then(|v| v.to_str().ok())
+                    .map_or_else(Directives::default, Directives::parse)
+            } else {
+                Directives::default()
+            };
             let body = read_body(response, service).await?;
             // Validate without building a DOM: RawValue keeps the original bytes.
             let text = String::from_utf8(body.into()).map_err(|_| CallError::InvalidBody {
                 service,
                 reason: "not UTF-8".into(),
             })?;
-            RawValue::from_string(text).map_err(|e| CallError::InvalidBody {
+            let body = RawValue::from_string(text).map_err(|e| CallError::InvalidBody {
                 service,
                 reason: e.to_string(),
-            })
+            })?;
+            Ok(Fetched { body, directives })
         };
         match tokio::time::timeout(timeout, exchange).await {
             Ok(result) => result,
@@ -567,7 +714,10 @@ async fn read_body(mut response: reqwest::Response, service: Service) -> Result<
     while let Some(chunk) = response
         .chunk()
         .await
-        .map_err(|source| CallError::Transport { service, source })?
+        .map_err(|source| CallError::Transport {
+            service,
+            source: Arc::new(source),
+        })?
     {
         if buf.len() + chunk.len() > MAX_BODY_BYTES {
             return Err(CallError::InvalidBody {
@@ -610,10 +760,12 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// The five clients, built once at start-up.
+/// The five clients, built once at start-up, and the caches in front of those that have one.
 pub struct Downstreams {
-    /// One per service, indexed by it.
-    clients: [Downstream; 5],
+    /// One per service, indexed by it; shared with the tasks of cached calls.
+    clients: [Arc<Downstream>; 5],
+    /// Indexed by service; `None` for a service without `cache` settings.
+    caches: [Option<PartCache>; 5],
 }
 
 impl Downstreams {
@@ -624,7 +776,23 @@ impl Downstreams {
     ) -> Self {
         Self {
             clients: Service::ALL.map(|service| {
-                Downstream::new(service, settings, client.clone(), queue_delay.clone())
+                Arc::new(Downstream::new(
+                    service,
+                    settings,
+                    client.clone(),
+                    queue_delay.clone(),
+                ))
+            }),
+            // Every series exists from start-up, cached or not, as the other per-service ones.
+            caches: Service::ALL.map(|service| {
+                let metrics = cache::Instruments::register(service);
+                let policy = settings.downstreams.get(service).cache.as_ref()?;
+                Some(PartCache::new(
+                    service,
+                    policy,
+                    settings.server.request_deadline,
+                    metrics,
+                ))
             }),
         }
     }
@@ -635,7 +803,29 @@ impl Downstreams {
     }
 
     pub fn all(&self) -> [&Downstream; 5] {
-        self.clients.each_ref()
+        self.clients.each_ref().map(|c| &**c)
+    }
+
+    /// The cache in front of one service, if it has one.
+    pub fn cache(&self, service: Service) -> Option<&PartCache> {
+        self.caches[service as usize].as_ref()
+    }
+
+    /// One service's part for `user_id`: through its cache when it has one, where it may be
+    /// a cached or a stale answer ([`Source`]); straight from the service otherwise.
+    pub(crate) async fn fetch_part(
+        &self,
+        service: Service,
+        user_id: i64,
+    ) -> Result<(Box<RawValue>, Source), CallError> {
+        let client = &self.clients[service as usize];
+        match &self.caches[service as usize] {
+            None => client
+                .fetch_user_part(user_id)
+                .await
+                .map(|body| (body, Source::Downstream)),
+            Some(cache) => cache.fetch(client, user_id).await,
+        }
     }
 }
 

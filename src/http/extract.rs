@@ -9,7 +9,7 @@ use axum::{
 };
 use serde::{
     Deserialize, Deserializer,
-    de::{DeserializeOwned, MapAccess, Visitor, value::MapAccessDeserializer},
+    de::{self, DeserializeOwned, MapAccess, Unexpected, Visitor, value::MapAccessDeserializer},
 };
 use serde_json::error::Category;
 
@@ -177,6 +177,49 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
     }
 }
 
+/// A whole number of type `T`, written as a JSON integer (`2`) or as a number without a fraction
+/// (`2.0`, `2e3`). JSON has one number type and JSON Schema's `integer` includes `2.0`, and
+/// encoders that hold numbers as doubles (JavaScript's, Python's for a float) write it so;
+/// serde's integers refuse it, which turned such a valid order into a 400.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Whole<T>(pub T);
+
+impl<'de, T: TryFrom<i64> + TryFrom<u64>> Deserialize<'de> for Whole<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct WholeVisitor<T>(PhantomData<T>);
+
+        impl<T: TryFrom<i64> + TryFrom<u64>> Visitor<'_> for WholeVisitor<T> {
+            type Value = T;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "a whole number ({})", std::any::type_name::<T>())
+            }
+
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<T, E> {
+                T::try_from(v).map_err(|_| E::invalid_value(Unexpected::Signed(v), &self))
+            }
+
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<T, E> {
+                T::try_from(v).map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
+            }
+
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<T, E> {
+                // i64's range is [-2^63, 2^63); both bounds are exact as doubles.
+                const LIMIT: f64 = 9_223_372_036_854_775_808.0;
+                if v.fract() == 0.0 && (-LIMIT..LIMIT).contains(&v) {
+                    self.visit_i64(v as i64)
+                } else {
+                    Err(E::invalid_value(Unexpected::Float(v), &self))
+                }
+            }
+        }
+
+        deserializer
+            .deserialize_any(WholeVisitor(PhantomData))
+            .map(Whole)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use axum::http::HeaderValue;
@@ -259,6 +302,25 @@ mod tests {
 
         let (field, _) = rejection(&json!({"a": "1", "b": []}).to_string());
         assert_eq!(field, "a");
+    }
+
+    #[test]
+    fn a_whole_number_may_be_written_with_a_zero_fraction_and_nothing_else_passes() {
+        let whole = |text: &str| serde_json::from_str::<Whole<i32>>(text).map(|w| w.0);
+        assert_eq!(whole("2").unwrap(), 2);
+        assert_eq!(whole("-2").unwrap(), -2);
+        assert_eq!(whole("2.0").unwrap(), 2);
+        assert_eq!(whole("2e3").unwrap(), 2000);
+        for bad in ["2.5", "1e300", "2147483648", "\"2\"", "true", "[]"] {
+            let err = whole(bad).expect_err(bad).to_string();
+            assert!(
+                err.contains("expected a whole number (i32)"),
+                "{bad}: {err}"
+            );
+        }
+        let big = serde_json::from_str::<Whole<i64>>("9223372036854775807").unwrap();
+        assert_eq!(big.0, i64::MAX);
+        assert!(serde_json::from_str::<Whole<i64>>("9.3e18").is_err());
     }
 
     #[test]

@@ -18,12 +18,84 @@ use axum::{
 use serde_json::json;
 
 use super::AppState;
-use crate::db::DbState;
+use crate::{db::DbState, error::Problem};
 
+/// What `/healthz` answers.
+#[derive(utoipa::ToSchema)]
+#[expect(
+    dead_code,
+    reason = "a schema only: the handler writes the same object with json!"
+)]
+pub(super) struct Liveness {
+    #[schema(schema_with = ok_schema)]
+    status: String,
+}
+
+/// What `/readyz` answers, ready or not.
+#[derive(utoipa::ToSchema)]
+#[expect(
+    dead_code,
+    reason = "a schema only: the handler writes the same object with json!"
+)]
+pub(super) struct Readiness {
+    /// `ready` or `not ready`.
+    #[schema(schema_with = ready_schema)]
+    status: String,
+    /// The database's state, as a fixed word (never the driver's error).
+    #[schema(schema_with = database_schema)]
+    database: String,
+    /// Whether admission is shedding heavily.
+    shedding: bool,
+    /// Whether shutdown has begun.
+    draining: bool,
+}
+
+fn words(words: &[&str]) -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(words.iter().copied()))
+        .build()
+}
+
+fn ok_schema() -> utoipa::openapi::Object {
+    words(&["ok"])
+}
+
+fn ready_schema() -> utoipa::openapi::Object {
+    words(&["ready", "not ready"])
+}
+
+fn database_schema() -> utoipa::openapi::Object {
+    words(&DbState::ALL.map(DbState::as_str))
+}
+
+/// Liveness: the process serves HTTP.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "health",
+    responses((status = 200, description = "The process serves HTTP", body = Liveness)),
+)]
 pub(super) async fn healthz() -> impl IntoResponse {
     Json(json!({ "status": "ok" }))
 }
 
+/// Readiness: this replica can serve (not draining, no migration pending, and, when configured,
+/// not shedding heavily). The database's state is reported but does not decide it.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "health",
+    responses(
+        (status = 200, description = "Ready", body = Readiness),
+        (status = 503, description = "Not ready (draining, a migration pending, or shedding), \
+            or the connection limit is reached (a problem document)",
+            content(
+                (Readiness = "application/json"),
+                (Problem = "application/problem+json"),
+            )),
+    ),
+)]
 pub(super) async fn readyz(State(state): State<AppState>) -> Response {
     let database = state.db.readiness().await;
     let shedding = state.admission.as_ref().is_some_and(|a| a.is_shedding());

@@ -36,6 +36,9 @@ use crate::{
 
 const REQUEST_ID: &str = "x-request-id";
 
+/// The health probes' routes: their access lines are written at DEBUG, not INFO.
+const PROBES: [&str; 2] = ["/healthz", "/readyz"];
+
 /// The status recorded for a request whose client went away before it was answered (the
 /// convention nginx started): no response was sent, so no real status exists.
 pub(super) const CLIENT_CLOSED_REQUEST: u16 = 499;
@@ -202,7 +205,10 @@ impl Drop for Finish<'_> {
         };
         self.telemetry
             .record_request(route, &self.method, status, elapsed);
-        let user_id = context::current().and_then(|c| c.user_id());
+        let ctx = context::current();
+        let user_id = ctx.as_ref().and_then(|c| c.user_id());
+        // Where the parts went, when any went to a variant (grey releases).
+        let variants = ctx.as_ref().and_then(|c| c.variants());
         if telemetry::otel_active() {
             // The exported server span's attributes; the log line below carries the same
             // values. An i64: OpenTelemetry has no unsigned integers, and a u64 is exported as
@@ -217,7 +223,7 @@ impl Drop for Finish<'_> {
             }
         }
         let _entered = self.span.enter();
-        let latency_ms = elapsed.as_secs_f64() * 1000.0;
+        let latency_ms = telemetry::millis(elapsed);
         if let Some(error) = error.as_deref().filter(|e| e.is_unexpected()) {
             // The one place a server-side error's cause is logged; the client never sees it.
             tracing::error!(status, error = %chain(error), "request failed");
@@ -228,14 +234,20 @@ impl Drop for Finish<'_> {
                 status,
                 route,
                 user_id,
+                variants,
                 latency_ms,
                 "request abandoned by the client"
             );
+        } else if PROBES.contains(&route) {
+            // A probe every few seconds from every load balancer and kubelet would be most of
+            // the log; its answers are in the RED metrics.
+            tracing::debug!(status, route, latency_ms, error, "request completed");
         } else {
             tracing::info!(
                 status,
                 route,
                 user_id,
+                variants,
                 latency_ms,
                 error,
                 "request completed"

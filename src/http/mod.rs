@@ -6,27 +6,30 @@
 //! port at all: it is served, with copies of the health routes, by [`ops_router`] on
 //! `server.ops_listen`.
 
+pub mod admin;
+mod cache_admin;
 mod dashboard;
 mod edge;
 mod extract;
 mod health;
 mod middleware;
+pub mod openapi;
 mod orders;
 pub(crate) mod pushback;
 
 use std::sync::{Arc, atomic::AtomicBool};
 
-use axum::{
-    Router, extract::DefaultBodyLimit, http::Method, middleware::from_fn_with_state, routing::get,
-};
+use axum::{Router, extract::DefaultBodyLimit, middleware::from_fn_with_state, routing::get};
 use tower::ServiceBuilder;
 
 use crate::{
     admission::Admission, config::Settings, db::Db, downstream::Downstreams, error::ApiError,
-    fanout::FanoutMetrics, ratelimit::RateLimiter, telemetry::Telemetry,
+    fanout::FanoutMetrics, ratelimit::RateLimiter, routing::Routing, telemetry::Telemetry,
 };
 
 /// The admission-controlled routes; the edge matches them by path before the router runs.
+/// They are the paths of the handlers' `#[utoipa::path]` attributes, which register the routes
+/// (a test in `openapi` checks that the document has each).
 pub(crate) const DASHBOARD: &str = "/api/v1/dashboard/{user_id}";
 pub(crate) const ORDERS: &str = "/api/v1/orders";
 pub(crate) const ORDER: &str = "/api/v1/orders/{id}";
@@ -37,6 +40,8 @@ pub struct AppState {
     pub settings: Arc<Settings>,
     pub db: Db,
     pub downstreams: Arc<Downstreams>,
+    /// Grey releases: which deployment of each downstream serves a request.
+    pub routing: Arc<Routing>,
     pub admission: Option<Arc<Admission>>,
     pub(crate) rate_limiter: Option<Arc<RateLimiter>>,
     pub(crate) telemetry: Arc<Telemetry>,
@@ -47,40 +52,47 @@ pub struct AppState {
 }
 
 /// The operations endpoints, served on `server.ops_listen`: `/metrics`, `/healthz` and
-/// `/readyz`. No request layers: a scrape is not API traffic, so it is neither limited nor
-/// counted in the API's RED metrics.
+/// `/readyz`, and with `server.admin` the cache invalidation of [`cache_admin`] (the routing admin
+/// routes of [`admin`] are added by the application, with `routing.admin`). No request layers:
+/// a scrape is not API traffic, so it is neither limited nor counted in the API's RED metrics.
 pub fn ops_router(state: AppState) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/metrics", get(health::metrics))
         .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz))
+        .route("/readyz", get(health::readyz));
+    // Not mounted at all unless asked for: a disabled admin API is a 404, like any unknown path.
+    let router = if state.settings.server.admin {
+        router
+            .route(
+                "/admin/cache/{downstream}",
+                axum::routing::delete(cache_admin::invalidate_all),
+            )
+            .route(
+                "/admin/cache/{downstream}/{key}",
+                axum::routing::delete(cache_admin::invalidate_key),
+            )
+    } else {
+        router
+    };
+    router
         .fallback(|| async { ApiError::NotFound })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .with_state(state)
 }
 
 /// The whole application as a pure value: tests can drive it with `oneshot` or serve it.
 /// `extra` routes (tests, diagnostics) get the same request layers as the API.
 pub fn router(state: AppState, extra: Router<AppState>) -> Router {
-    let api = Router::new()
-        .route(DASHBOARD, get(dashboard::get_dashboard))
-        .route(ORDERS, axum::routing::post(orders::create_order))
-        .route(ORDER, get(orders::get_order))
-        .merge(extra);
-
-    // Probes are pointed at the API's port: what they check is that this port answers.
-    let ops = Router::new()
-        .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz));
+    // The API's routes and the probes (pointed at the API's port: what they check is that
+    // this port answers), each registered with its OpenAPI operation; the document is
+    // rendered now, once.
+    let (api, doc) = openapi::api().split_for_parts();
+    openapi::prepare();
+    let api = api.merge(extra);
 
     // Their request counters exist at 0 from start-up (the `extra` routes of tests are not
     // known here; they appear with their first request).
-    state.telemetry.register_routes(&[
-        (DASHBOARD, Method::GET),
-        (ORDERS, Method::POST),
-        (ORDER, Method::GET),
-        ("/healthz", Method::GET),
-        ("/readyz", Method::GET),
-    ]);
+    state.telemetry.register_routes(&openapi::routes(&doc));
 
     let server = Arc::new(state.settings.server.clone());
     let edge = Arc::new(edge::Edge {
@@ -91,8 +103,7 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
     });
     // A disabled feature adds no layer.
     let edge = edge.active().then(|| from_fn_with_state(edge, edge::edge));
-    api.merge(ops)
-        .fallback(|| async { ApiError::NotFound })
+    api.fallback(|| async { ApiError::NotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(
             ServiceBuilder::new()

@@ -11,8 +11,13 @@ use sha2::{Digest, Sha256};
 
 use super::{
     AppState,
-    extract::{JsonBody, Object, PositiveId},
+    extract::{JsonBody, Object, PositiveId, Whole},
+    openapi::{
+        BadRequest, Conflict, GatewayTimeout, NotFound, PayloadTooLarge, RequestTimeout,
+        ServiceUnavailable, TooManyRequests, UnsupportedMediaType,
+    },
 };
+use crate::db::orders::Order;
 use crate::{
     db::orders::{CreateOutcome, NewItem, NewOrder},
     error::ApiError,
@@ -21,22 +26,33 @@ use crate::{
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
 const MAX_ITEMS: usize = 100;
 
-/// The request body as sent; validated into a [`NewOrder`]. Every field is required; they are
-/// `Option`s so that a missing one is reported by [`validate`] under its own name (serde would
-/// name the object that lacks it).
-#[derive(Debug, Deserialize)]
+// The request body as sent; validated into a `NewOrder`. Every field is required; they are
+// `Option`s so that a missing one is reported by `validate` under its own name (serde would
+// name the object that lacks it). The schema in the OpenAPI document is the one `validate`
+// enforces: every field required, with its bounds.
+/// A new order: the user and one to 100 items. Unknown fields are refused.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct CreateOrder {
-    pub user_id: Option<i64>,
+    #[schema(value_type = i64, minimum = 1)]
+    pub user_id: Option<Whole<i64>>,
+    #[schema(value_type = Vec<CreateItem>, min_items = 1, max_items = 100)]
     pub items: Option<Vec<Object<CreateItem>>>,
 }
 
-#[derive(Debug, Deserialize)]
+/// One line of a new order.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct CreateItem {
+    /// Printable ASCII; whitespace around it is trimmed.
+    #[schema(value_type = String, pattern = r"^[!-~]{1,64}$", example = "SKU-1")]
     pub sku: Option<String>,
-    pub quantity: Option<i32>,
-    pub unit_price_cents: Option<i64>,
+    #[schema(value_type = i32, minimum = 1, maximum = 10_000)]
+    pub quantity: Option<Whole<i32>>,
+    /// The order's total (the sum of quantity × unit price) must fit a signed 64-bit
+    /// integer; beyond it, a 400.
+    #[schema(value_type = i64, minimum = 0)]
+    pub unit_price_cents: Option<Whole<i64>>,
 }
 
 /// A required field's value, or a 400 that names it.
@@ -46,7 +62,7 @@ fn required<T>(value: Option<T>, field: impl FnOnce() -> String) -> Result<T, Ap
 
 /// Checks every field and computes the total; the error names the first bad field.
 pub(super) fn validate(req: CreateOrder) -> Result<(NewOrder, i64), ApiError> {
-    let user_id = required(req.user_id, || "user_id".into())?;
+    let Whole(user_id) = required(req.user_id, || "user_id".into())?;
     let req_items = required(req.items, || "items".into())?;
     if user_id <= 0 {
         return Err(ApiError::validation(
@@ -71,8 +87,9 @@ pub(super) fn validate(req: CreateOrder) -> Result<(NewOrder, i64), ApiError> {
     for (i, Object(item)) in req_items.into_iter().enumerate() {
         let field = |name: &str| format!("items[{i}].{name}");
         let sku = required(item.sku, || field("sku"))?;
-        let quantity = required(item.quantity, || field("quantity"))?;
-        let unit_price_cents = required(item.unit_price_cents, || field("unit_price_cents"))?;
+        let Whole(quantity) = required(item.quantity, || field("quantity"))?;
+        let Whole(unit_price_cents) =
+            required(item.unit_price_cents, || field("unit_price_cents"))?;
         let sku = sku.trim();
         if sku.is_empty() || sku.len() > 64 || !sku.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(ApiError::validation(
@@ -136,6 +153,36 @@ fn idempotency_key(headers: &HeaderMap) -> Result<String, ApiError> {
     Ok(key.to_owned())
 }
 
+/// Creates an order, once per `Idempotency-Key`.
+///
+/// The same key with the same order replays the stored response byte for byte (with
+/// `idempotent-replayed: true`); the same key with a different order is a 409. Concurrent
+/// duplicates create exactly one order.
+#[utoipa::path(
+    post,
+    path = "/api/v1/orders",
+    tag = "orders",
+    params(
+        ("Idempotency-Key" = String, Header,
+            description = "1 to 255 printable ASCII characters, sent once; names the order for retries",
+            pattern = r"^[!-~]{1,255}$", example = "order-2026-12-01-0001"),
+    ),
+    request_body(content = CreateOrder, content_type = "application/json"),
+    responses(
+        (status = 201, description = "The order, created now or replayed for a repeated key",
+            body = Order,
+            headers(("idempotent-replayed" = String,
+                description = "`true` when this is the stored response of an earlier request with this key"))),
+        (status = 400, response = BadRequest),
+        (status = 408, response = RequestTimeout),
+        (status = 409, response = Conflict),
+        (status = 413, response = PayloadTooLarge),
+        (status = 415, response = UnsupportedMediaType),
+        (status = 429, response = TooManyRequests),
+        (status = 503, response = ServiceUnavailable),
+        (status = 504, response = GatewayTimeout),
+    ),
+)]
 pub(super) async fn create_order(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -180,6 +227,21 @@ fn stored_response(status: StatusCode, body: String, replayed: bool) -> Response
     response
 }
 
+/// Reads an order back.
+#[utoipa::path(
+    get,
+    path = "/api/v1/orders/{id}",
+    tag = "orders",
+    params(("id" = i64, Path, minimum = 1, description = "The order's id: a positive 64-bit integer, digits only")),
+    responses(
+        (status = 200, description = "The order", body = Order),
+        (status = 400, response = BadRequest),
+        (status = 404, response = NotFound),
+        (status = 429, response = TooManyRequests),
+        (status = 503, response = ServiceUnavailable),
+        (status = 504, response = GatewayTimeout),
+    ),
+)]
 pub(super) async fn get_order(
     State(state): State<AppState>,
     PositiveId(id): PositiveId,

@@ -118,8 +118,19 @@ enum LogFilter {
     Env(EnvFilter),
 }
 
+/// Added to the configured filter unless it names sqlx itself: the server's notices at INFO
+/// are noise such as `relation "_sqlx_migrations" already exists, skipping` on every start.
+const QUIET_NOTICES: &str = "sqlx::postgres::notice=warn";
+
 impl LogFilter {
     fn parse(directives: &str) -> anyhow::Result<Self> {
+        let with_quiet;
+        let directives = if directives.contains("sqlx") {
+            directives
+        } else {
+            with_quiet = format!("{directives},{QUIET_NOTICES}");
+            &with_quiet
+        };
         if let Ok(targets) = directives.parse::<Targets>() {
             return Ok(Self::Targets(targets));
         }
@@ -166,6 +177,17 @@ mod tests {
             LogFilter::parse("warn,tributary[http.request{request_id=abc}]=debug"),
             Ok(LogFilter::Env(_))
         ));
+        let Ok(LogFilter::Targets(info)) = LogFilter::parse("info") else {
+            panic!("info is a plain directive");
+        };
+        assert!(info.would_enable("tributary::startup", &tracing::Level::INFO));
+        assert!(!info.would_enable("sqlx::postgres::notice", &tracing::Level::INFO));
+        assert!(info.would_enable("sqlx::postgres::notice", &tracing::Level::WARN));
+        let Ok(LogFilter::Targets(asked)) = LogFilter::parse("info,sqlx=debug") else {
+            panic!("a plain directive");
+        };
+        assert!(asked.would_enable("sqlx::postgres::notice", &tracing::Level::INFO));
+
         let err = LogFilter::parse("tributary=loud")
             .err()
             .expect("an invalid level");

@@ -46,6 +46,13 @@ use log_sink::{LogSink, LogSinkGuard};
 /// The name of the one span per request; the log layer sees no other span.
 pub(crate) const REQUEST_SPAN: &str = "http.request";
 
+/// A duration as milliseconds for a log field, to the microsecond: `1.872`, not the
+/// `1.8718759999999999` of `as_secs_f64() * 1000.0`. (A division of two integers is rounded
+/// once, to the double nearest the decimal, which prints as that decimal.)
+pub(crate) fn millis(d: Duration) -> f64 {
+    d.as_micros() as f64 / 1000.0
+}
+
 /// At most this many bytes of log lines wait in memory for the writer thread (about 10,000
 /// request lines); beyond it lines are dropped and counted.
 const LOG_BUFFER_BYTES: usize = 4 << 20;
@@ -156,9 +163,28 @@ impl Telemetry {
     fn long_poll(&self, took: Duration) {
         self.long_polls.increment(1);
         tracing::warn!(
-            poll_ms = took.as_secs_f64() * 1000.0,
-            threshold_ms = self.settings.long_poll_threshold.as_secs_f64() * 1000.0,
+            poll_ms = millis(took),
+            threshold_ms = millis(self.settings.long_poll_threshold),
             "long poll: a task held a worker thread; look for blocking calls or CPU work on the async path"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_durations_are_milliseconds_to_the_microsecond() {
+        assert_eq!(
+            millis(Duration::from_nanos(1_871_875_999)).to_string(),
+            "1871.875"
+        );
+        assert_eq!(
+            millis(Duration::from_nanos(54_691_400)).to_string(),
+            "54.691"
+        );
+        assert_eq!(millis(Duration::from_nanos(1_871_876)).to_string(), "1.871");
+        assert_eq!(millis(Duration::ZERO).to_string(), "0");
     }
 }

@@ -224,3 +224,103 @@ fn capacity_runs_despite_an_unrelated_bad_setting_and_takes_the_pool_budget_from
         "the server's max_connections comes from the settings: {stdout}"
     );
 }
+
+/// The commit this checkout is at, when it is a git checkout.
+fn git_head() -> Option<String> {
+    let out = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+#[test]
+fn a_build_in_a_git_checkout_names_its_commit_without_being_told() {
+    // A build told its revision (the Dockerfile's) reports that one; the test above checks it.
+    let told = std::env::var("TRIBUTARY_GIT_REVISION").is_ok_and(|r| !r.is_empty());
+    let Some(head) = git_head().filter(|_| !told) else {
+        return;
+    };
+
+    let out = tributary(&["--version"], &[]);
+
+    let version = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        version,
+        format!(
+            "tributary {} (revision {head})\n",
+            env!("CARGO_PKG_VERSION")
+        )
+    );
+}
+
+/// `tributary <args>` against the database `url` (its logs on stdout, as JSON lines).
+fn against_database(args: &[&str], url: &str) -> Output {
+    tributary(
+        args,
+        &[
+            ("DATABASE_URL", url),
+            ("TRIBUTARY_SERVER__LISTEN", "127.0.0.1:0"),
+            ("TRIBUTARY_SERVER__OPS_LISTEN", "127.0.0.1:0"),
+        ],
+    )
+}
+
+#[tokio::test]
+async fn a_database_that_does_not_exist_stops_migrate_and_serve_at_once_with_how_to_create_it() {
+    let server = crate::helpers::server_url();
+    let (prefix, _) = server.rsplit_once('/').unwrap();
+    let name = format!("tributary_test_missing_{}", uuid::Uuid::new_v4().simple());
+    let url = format!("{prefix}/{name}");
+
+    for command in ["migrate", "serve"] {
+        let out = tokio::task::spawn_blocking({
+            let url = url.clone();
+            move || against_database(&[command], &url)
+        })
+        .await
+        .unwrap();
+
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "{command}: {out:?}");
+        assert_eq!(stderr.lines().count(), 1, "{command}: one line:\n{stderr}");
+        assert!(
+            stderr.contains(&format!("database \"{name}\" does not exist"))
+                && stderr.contains("createdb -h "),
+            "{command}: {stderr}"
+        );
+        // No retries: the database will not appear by waiting.
+        assert!(!stdout.contains("retrying"), "{command}: {stdout}");
+    }
+    assert!(!crate::helpers::database_exists(&name).await);
+}
+
+#[tokio::test]
+async fn migrating_an_up_to_date_database_logs_no_server_notice() {
+    let db = crate::helpers::fresh_database().await;
+    let url = db.url();
+
+    let runs = tokio::task::spawn_blocking(move || {
+        [
+            against_database(&["migrate"], &url),
+            against_database(&["migrate"], &url),
+        ]
+    })
+    .await
+    .unwrap();
+
+    for out in &runs {
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{out:?}");
+        // sqlx logs the server's NOTICE for `CREATE TABLE IF NOT EXISTS _sqlx_migrations`.
+        assert!(
+            !stdout.contains("sqlx::postgres::notice") && !stdout.contains("already exists"),
+            "{stdout}"
+        );
+        assert!(stdout.contains("migrations applied"), "{stdout}");
+    }
+}

@@ -39,6 +39,15 @@ async fn dashboard_merges_all_six_parts() {
     assert_eq!(body["promotions"]["service"], "promotions");
     assert_eq!(body["notifications"]["service"], "notifications");
     assert_eq!(body["degraded"], serde_json::json!([]));
+    assert_eq!(
+        body["stale"],
+        serde_json::json!([]),
+        "no cache, nothing stale"
+    );
+    assert!(
+        !timing.contains("desc="),
+        "no part is marked cached: {timing}"
+    );
     let orders = body["recent_orders"].as_array().unwrap();
     assert_eq!(orders.len(), 5, "five most recent of seven");
     let times: Vec<&str> = orders

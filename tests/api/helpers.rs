@@ -21,6 +21,7 @@ use sqlx::{Connection, Executor, PgConnection, PgPool};
 use tokio::{sync::oneshot, task::JoinHandle};
 use tributary::{
     Application, Settings,
+    config::{CacheKey, CacheSettings},
     domain::{Part, Service},
     http::AppState,
 };
@@ -303,6 +304,20 @@ impl TestApp {
         self.set_service(service, |b| b.mode = Mode::Hang);
     }
 
+    /// `DELETE` on the operations listener (the admin endpoints).
+    pub async fn ops_delete(&self, path: &str) -> reqwest::Response {
+        self.client
+            .delete(self.ops_url(path))
+            .send()
+            .await
+            .expect("request")
+    }
+
+    /// Calls the simulator has seen for one service.
+    pub fn calls(&self, service: Service) -> u64 {
+        self.sim.sim.stats(service).requests
+    }
+
     /// The gateway's `/metrics` text, from the operations listener.
     pub async fn metrics(&self) -> String {
         self.ops_get("/metrics").await.text().await.unwrap()
@@ -316,6 +331,19 @@ impl TestApp {
     /// `GET /api/v1/dashboard/{user_id}`: the status and the body (`null` when not JSON).
     pub async fn dashboard(&self, user_id: i64) -> (u16, Value) {
         let resp = self.get(&format!("/api/v1/dashboard/{user_id}")).await;
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    /// The dashboard with a caller's budget (`x-request-budget-ms`): status and body.
+    pub async fn dashboard_within(&self, user_id: i64, budget_ms: u64) -> (u16, Value) {
+        let resp = self
+            .client
+            .get(self.url(&format!("/api/v1/dashboard/{user_id}")))
+            .header("x-request-budget-ms", budget_ms.to_string())
+            .send()
+            .await
+            .expect("request");
         let status = resp.status().as_u16();
         (status, resp.json().await.unwrap_or(Value::Null))
     }
@@ -371,9 +399,27 @@ where
     }
 }
 
+/// A cache policy for a test: the defaults with this key and ttl.
+pub fn cache(key: CacheKey, ttl: Duration) -> CacheSettings {
+    CacheSettings {
+        key,
+        ttl,
+        ..CacheSettings::default()
+    }
+}
+
 /// A dashboard's `degraded` list.
 pub fn degraded(body: &Value) -> Vec<String> {
-    body["degraded"]
+    names(body, "degraded")
+}
+
+/// A dashboard's `stale` list.
+pub fn stale(body: &Value) -> Vec<String> {
+    names(body, "stale")
+}
+
+fn names(body: &Value, list: &str) -> Vec<String> {
+    body[list]
         .as_array()
         .map(|a| {
             a.iter()

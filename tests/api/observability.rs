@@ -222,6 +222,10 @@ async fn every_request_line_carries_ids_route_status_and_latency() {
     assert_eq!(line["user_id"], 3, "{line}");
     let latency = line["latency_ms"].as_f64().expect("latency_ms");
     assert!(latency > 0.0 && latency < 10_000.0, "{line}");
+    // Milliseconds to the microsecond: at most three decimals, never a float's noise.
+    let written = line["latency_ms"].to_string();
+    let decimals = written.split_once('.').map_or(0, |(_, d)| d.len());
+    assert!(decimals <= 3, "latency_ms {written}: {line}");
 
     // The per-call and per-query spans are for traces: no log line is ever attributed to one.
     let lines = log_lines();
@@ -411,5 +415,118 @@ async fn only_unexpected_errors_are_logged_at_error_and_each_error_once() {
             .iter()
             .any(|l| l["message"] == "request completed" && l["status"] == 500),
         "{lines:?}"
+    );
+}
+
+/// The captured lines of one request, by its `x-request-id`.
+fn lines_of(request_id: &str) -> Vec<serde_json::Value> {
+    log_lines()
+        .into_iter()
+        .filter(|l| l["span"]["request_id"] == request_id)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_degraded_part_is_one_warning_that_names_the_part_the_reason_and_the_cause() {
+    let app = spawn_app().await;
+    app.set_service(Service::Carts, |b| b.error_rate = 1.0);
+
+    let resp = app
+        .client
+        .get(app.url("/api/v1/dashboard/4"))
+        .header("x-request-id", "degraded-log-1")
+        .send()
+        .await
+        .unwrap();
+
+    assert_eq!(resp.status(), 200);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["degraded"], serde_json::json!(["cart"]), "{body}");
+    let lines = lines_of("degraded-log-1");
+    let warnings: Vec<_> = lines
+        .iter()
+        .filter(|l| l["level"] == "WARN" || l["level"] == "ERROR")
+        .collect();
+    assert_eq!(
+        warnings.len(),
+        1,
+        "one warning for one degraded part: {warnings:#?}"
+    );
+    let warning = warnings[0];
+    assert_eq!(warning["message"], "dashboard part degraded", "{warning}");
+    assert_eq!(warning["part"], "cart", "{warning}");
+    assert_eq!(warning["reason"], "error", "{warning}");
+    assert_eq!(warning["error"], "carts answered 500", "{warning}");
+}
+
+#[tokio::test]
+async fn a_failed_required_call_logs_its_cause_once() {
+    let app = spawn_app().await;
+    app.set_service(Service::Users, |b| b.error_rate = 1.0);
+
+    let resp = app
+        .client
+        .get(app.url("/api/v1/dashboard/4"))
+        .header("x-request-id", "required-failed-1")
+        .send()
+        .await
+        .unwrap();
+
+    assert_eq!(resp.status(), 502);
+    let lines = lines_of("required-failed-1");
+    let with_cause: Vec<_> = lines
+        .iter()
+        .filter(|l| l.to_string().contains("users answered 500"))
+        .collect();
+    assert_eq!(with_cause.len(), 1, "the cause once: {lines:#?}");
+    assert_eq!(with_cause[0]["level"], "ERROR", "{}", with_cause[0]);
+    // The cancelled optional parts are not degraded parts of a page that was never served.
+    assert!(
+        !lines
+            .iter()
+            .any(|l| l["message"] == "dashboard part degraded"),
+        "{lines:#?}"
+    );
+}
+
+#[tokio::test]
+async fn health_probes_are_not_logged_at_info() {
+    let app = spawn_app().await;
+
+    for (path, id) in [("/healthz", "probe-log-1"), ("/readyz", "probe-log-2")] {
+        let resp = app
+            .client
+            .get(app.url(path))
+            .header("x-request-id", id)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{path}");
+    }
+    // A request after them, whose line shows that theirs would have been written by now.
+    let resp = app
+        .client
+        .get(app.url("/api/v1/orders/999999999"))
+        .header("x-request-id", "probe-log-3")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            !lines_of("probe-log-3").is_empty()
+        })
+        .await
+    );
+    assert!(
+        lines_of("probe-log-1").is_empty(),
+        "{:?}",
+        lines_of("probe-log-1")
+    );
+    assert!(
+        lines_of("probe-log-2").is_empty(),
+        "{:?}",
+        lines_of("probe-log-2")
     );
 }

@@ -331,3 +331,24 @@ async fn a_database_that_refuses_the_gateways_role_makes_orders_503_and_readyz_k
     assert!(!text.contains("tributary_no_such_role"), "{text}");
     assert!(!text.contains("role"), "{text}");
 }
+
+#[tokio::test]
+async fn whole_numbers_written_with_a_zero_fraction_are_accepted_and_fractions_are_not() {
+    let app = spawn_app().await;
+    // JSON Schema's `integer` (openapi.json) includes 2.0; encoders that keep numbers as doubles
+    // write whole numbers so.
+    let whole = json!({"user_id": 7.0, "items": [{"sku": "SKU-1", "quantity": 2.0, "unit_price_cents": 1.25e3}]});
+
+    let resp = app.post_order(Some("whole-1"), &whole).await;
+
+    assert_eq!(resp.status(), 201);
+    let created: Value = resp.json().await.unwrap();
+    assert_eq!(created["user_id"], 7);
+    assert_eq!(created["items"][0]["quantity"], 2);
+    assert_eq!(created["total_cents"], 2500);
+
+    let fraction = json!({"user_id": 7, "items": [{"sku": "SKU-1", "quantity": 2.5, "unit_price_cents": 1250}]});
+    let (status, body) = problem(app.post_order(Some("whole-2"), &fraction).await).await;
+    assert_eq!(status, 400);
+    assert_eq!(body["field"], "items[0].quantity", "{body}");
+}
