@@ -206,10 +206,17 @@ pass "three downstream simulators answer /healthz"
 
 # Grey releases: carts gets a canary on the flaky simulator for half of the users, judged every
 # second, so the variant series, the canary-against-stable rules and the rollback alert have data.
-# It must roll back within the traffic window, but not before Prometheus's first scrape (5-6 s
-# after it is ready), or no rate of the canary's calls is ever seen: 600 calls at the ~50 canary
-# calls per second this traffic makes take about 12 s.
-cat >"$OBS_WORK/grey.toml" <<EOF
+# The rollback must not come before Prometheus has seen the canary's calls over two scrapes, or
+# its rate is 0 and the canary-against-stable rules are NaN for the whole run. Waiting a fixed
+# number of calls for that is a race with the machine's load (it was lost once in CI), so the
+# judge starts out with a min_calls no run reaches; once Prometheus has the canary's p99 and
+# failure ratio against stable's (step 4), the file is rewritten with a reachable min_calls and
+# SIGHUP reloads it.
+grey_config() {
+  cat >"$OBS_WORK/grey.toml" <<EOF
+[routing.rollback]
+min_calls = $1
+
 [downstreams.carts.variants.canary]
 base_url = "http://127.0.0.1:$SIM_FLAKY"
 
@@ -217,10 +224,11 @@ base_url = "http://127.0.0.1:$SIM_FLAKY"
 variant = "canary"
 percent = 50
 EOF
+}
+grey_config 1000000000
 
 (
   export TRIBUTARY_CONFIG=$OBS_WORK/grey.toml
-  export TRIBUTARY_ROUTING__ROLLBACK__MIN_CALLS=600
   export TRIBUTARY_ROUTING__ROLLBACK__INTERVAL=1s
   export TRIBUTARY_SERVER__LISTEN=127.0.0.1:$GATEWAY
   export TRIBUTARY_SERVER__OPS_LISTEN=127.0.0.1:$OPS
@@ -342,6 +350,30 @@ until [[ $(curl -s --max-time 2 "http://127.0.0.1:$PROM/api/v1/query" --data-url
   sleep 0.5
 done
 pass "Prometheus scrapes the gateway (up == 1)"
+
+# The canary against stable, as the recording rules see it: both differences must be numbers
+# (not NaN) before the rollback may take the canary's traffic away.
+canary_seen() {
+  local rule n
+  for rule in job_downstream_variant:tributary_downstream_failures:ratio_rate5m_minus_stable \
+    job_downstream_variant:tributary_downstream_request_duration_seconds:p99_5m_minus_stable; do
+    n=$(curl -s --max-time 2 "http://127.0.0.1:$PROM/api/v1/query" --data-urlencode "query=$rule{variant=\"canary\"}" |
+      python3 -c 'import json, math, sys; r = json.load(sys.stdin)["data"]["result"]; print(sum(not math.isnan(float(s["value"][1])) for s in r))' 2>/dev/null)
+    [[ $n == 1 ]] || return 1
+  done
+}
+seen_deadline=$((SECONDS + TRAFFIC_SECONDS))
+until canary_seen; do
+  ((SECONDS < seen_deadline)) || break
+  sleep 0.5
+done
+if canary_seen; then
+  pass "Prometheus has the canary against stable (both recording rules are numbers)"
+else
+  fail "Prometheus never had the canary against stable as numbers; rolling back anyway"
+fi
+grey_config 100
+kill -HUP "$GATEWAY_PID"
 
 if wait "$WRK_PID"; then pass "wrk ran for ${TRAFFIC_SECONDS}s"; else fail "wrk exited non-zero"; fi
 sed 's/^/      /' "$OBS_WORK/wrk.log"
