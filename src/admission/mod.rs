@@ -60,6 +60,11 @@ const CONTROL_INTERVAL: Duration = Duration::from_millis(100);
 const TICKS_PER_SECOND: u32 = 10;
 /// At most one "shedding" warning per this long; the counters have the rest.
 const WARN_EVERY: Duration = Duration::from_secs(10);
+/// The share of the permits expected back within `max_wait` that may be waited for. At the
+/// whole expected number the last waiter is due exactly at `max_wait`, so every dip in the
+/// release rate times waiters out, each a 503 that cost `max_wait` instead of nothing (the
+/// lab saw 1–3 % of 503s take 100 ms); at half, a waiter is due by `max_wait / 2`.
+const WAIT_ROOM_SHARE: f64 = 0.5;
 
 /// The limiters of all groups plus the shared readiness signal.
 pub struct Admission {
@@ -336,9 +341,9 @@ pub struct Limiter {
     max_wait: Duration,
     controller: Controller,
     queue_delay: QueueDelay,
-    /// How many may wait: the permits expected back within `max_wait` at the recent release
-    /// rate. A request that would queue behind that many would time out anyway, so it is
-    /// turned away at once, with no timer armed. `u64::MAX` until a permit was ever returned
+    /// How many may wait: [`WAIT_ROOM_SHARE`] of the permits expected back within `max_wait`
+    /// at the recent release rate. A request that would queue behind more would likely time
+    /// out anyway, so it is turned away at once, with no timer armed. `u64::MAX` until a permit was ever returned
     /// (nothing is known about the rate yet).
     wait_room: AtomicU64,
     /// Permits returned this control interval, and their EWMA per interval.
@@ -512,8 +517,10 @@ impl Limiter {
         if known {
             *rate = Some(smoothed);
             let intervals = self.max_wait.as_secs_f64() / CONTROL_INTERVAL.as_secs_f64();
-            self.wait_room
-                .store((smoothed * intervals).floor() as u64, Ordering::Relaxed);
+            self.wait_room.store(
+                (smoothed * intervals * WAIT_ROOM_SHARE).floor() as u64,
+                Ordering::Relaxed,
+            );
         }
         drop(rate);
         if let Controller::QueueDelay(c) = &self.controller {
@@ -730,12 +737,14 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_queue_longer_than_max_wait_can_drain_turns_new_requests_away() {
-        let (l, _q) = limiter(AdmissionMode::Static, 1, CONTROL_INTERVAL);
+        let (l, _q) = limiter(AdmissionMode::Static, 1, CONTROL_INTERVAL * 2);
         // Before any permit came back nothing is known: waiting is allowed.
         let held = l.acquire().await.unwrap();
         assert!(matches!(l.try_admit(), Decision::Wait));
         drop(held);
-        // One permit returned per interval: one may wait for the next.
+        // One permit returned per interval and max_wait two intervals: two are expected back
+        // within max_wait, and half of that may be waited for (the second would be due at
+        // max_wait itself, and any dip in the rate would time it out): one may wait.
         l.end_interval(Instant::now());
         let held = l.acquire().await.unwrap();
         let waiter = {
