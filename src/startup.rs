@@ -240,9 +240,9 @@ impl Application {
                 tokio::spawn(refuse_connection(stream));
                 continue;
             };
-            // The connection's pause after a 503 (`admission.pushback`): the edge sets it, the
-            // IO wrapper below honours it.
-            let pushback = Arc::new(Pushback::new());
+            // The connection's pushback (`admission.pushback`): the edge decides when a 503 is
+            // held, the IO wrapper below holds it.
+            let pushback = Arc::new(Pushback::new(server.write_timeout));
             let io = Pausable::new(stream, Arc::clone(&pushback));
             let service = router.clone().map_request(
                 move |mut req: axum::http::Request<hyper::body::Incoming>| {

@@ -397,10 +397,11 @@ pub struct AdmissionSettings {
     /// Longest wait for a permit before a 503.
     #[serde(with = "humantime_serde")]
     pub max_wait: Duration,
-    /// After a 503 from admission, stop reading that HTTP/1 connection for a moment (up to
-    /// `Retry-After`, at most 2 s), so a client that retries at once waits in its own socket
-    /// buffer instead of costing the gateway a rejection per retry. Turn off behind an L7 proxy
-    /// that multiplexes many clients onto one upstream connection.
+    /// A client on HTTP/1 that comes back before its last 503's `Retry-After` (at most 2 s) and
+    /// is turned away again gets that 503 only when the `Retry-After` is over, so a client that
+    /// retries at once costs one rejection per pause, not one per retry; its retries are still
+    /// read and admitted at once when there is room. Turn off behind an L7 proxy that
+    /// multiplexes many clients onto one upstream connection.
     pub pushback: bool,
     /// Per-group overrides; keys are `dashboard` and `orders`.
     pub groups: BTreeMap<RouteGroup, AdmissionGroupSettings>,

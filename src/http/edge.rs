@@ -9,7 +9,8 @@
 //! outermost of the stack, and why it matches paths itself: axum's router has not run yet.
 //!
 //! 429 comes before 503: a client over its own rate limit must not take an admission slot from
-//! the others. A 503 also pauses the HTTP/1 connection it came on ([`super::pushback`]).
+//! the others. A 503 to an HTTP/1 client that came back before its last `Retry-After` is held
+//! until then ([`super::pushback`]).
 
 use std::sync::Arc;
 
@@ -130,8 +131,8 @@ async fn admit(
     response
 }
 
-/// The 503: a pre-rendered problem, `Retry-After`, the request id, the RED metrics, and a
-/// pause on the connection.
+/// The 503: a pre-rendered problem, `Retry-After`, the request id, the RED metrics, and the
+/// connection's pushback.
 fn shed(
     edge: &Edge,
     route: &'static str,
@@ -150,7 +151,7 @@ fn shed(
         && request.version() <= Version::HTTP_11
         && let Some(pushback) = request.extensions().get::<Arc<Pushback>>()
     {
-        pushback.pause(rejected.retry_after);
+        pushback.rejected(rejected.retry_after);
     }
     edge.telemetry
         .record_request(route, request.method(), 503, arrived.elapsed());

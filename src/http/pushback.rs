@@ -1,18 +1,30 @@
-//! Pushback on the connection: after a rejection, stop reading from that client for a moment.
+//! Pushback on the connection: a client that comes back before its `Retry-After` waits for
+//! its next answer.
 //!
 //! A 503 with `Retry-After` is a request; a client that ignores it (wrk, a naive retry loop,
 //! a tight SDK loop) sends its next request the instant the answer arrives. Each of those costs
 //! the gateway a read, a parse, a decision and a write, ~10 µs of CPU; at 10,000 such
-//! connections the rejections alone take the core, and the requests it admitted starve. The
-//! answer is TCP's own flow control: while a connection is paused its next request waits in the
-//! kernel's socket buffer (and then the client's), costing the gateway nothing. The pause ends
-//! after `Retry-After` (at most [`MAX_PAUSE`]), so an honest client that waited as asked never
-//! notices it.
+//! connections the rejections alone take the core, and the requests it admitted starve.
 //!
-//! Only reads are paused; the answer already produced is written at once. HTTP/2 connections
-//! are not paused (one connection carries many clients' streams and its control frames), and
-//! an L7 proxy in front multiplexes clients onto connections the same way: turn
-//! `admission.pushback` off there.
+//! So each HTTP/1 connection remembers until when its last 503 asked it to stay away
+//! (`Retry-After`, at most [`MAX_PAUSE`]). A request that arrives within that time is still read
+//! and decided at once, so if there is room it is admitted and answered without delay; only if
+//! it is turned away again is its 503 **held** until the time the client was asked to wait for,
+//! and the next stay-away counts from then. A client that ignores `Retry-After` therefore costs
+//! one rejection per pause, and its next request waits on its own connection, in the kernel's
+//! socket buffer and the client's, costing the gateway nothing. A client that waited as asked
+//! is never held.
+//!
+//! Holding the answer rather than pausing reads after every 503 (the first design) matters for
+//! the requests that succeed: with reads paused, a retry that would have been admitted sat
+//! unread for up to two seconds, and every success that followed a rejection on its connection
+//! carried that pause in its latency (in an open-loop load, any request the client happened to
+//! send on such a connection). Now the pause is paid only by a request that is rejected anyway.
+//!
+//! Only writes are held, and only while a held 503 is being written; HTTP/2 connections are not
+//! held (one connection carries many clients' streams and its control frames), and an L7 proxy
+//! in front multiplexes clients onto connections the same way: turn `admission.pushback` off
+//! there. The server-side latency recorded for a held 503 is the decision's, not the hold's.
 
 use std::{
     future::Future,
@@ -28,39 +40,72 @@ use tokio::{
     time::{Instant, Sleep},
 };
 
-/// The longest a connection is paused after one rejection.
+/// The longest a client is asked to stay away after one rejection, and so the longest a held
+/// answer waits.
 pub(crate) const MAX_PAUSE: Duration = Duration::from_secs(2);
 
-/// A connection's pause, shared by its IO wrapper and the requests it carries.
+/// A connection's pushback state, shared by its IO wrapper and the requests it carries.
 pub(crate) struct Pushback {
     epoch: Instant,
-    /// Nanoseconds after `epoch` until which reads wait; 0 for none.
-    until: AtomicU64,
+    /// At most [`MAX_PAUSE`], and less than the connection's write timeout.
+    max_pause: Duration,
+    /// Nanoseconds after `epoch` until which the last 503 asked the client to stay away; 0 for
+    /// none.
+    away_until: AtomicU64,
+    /// Nanoseconds after `epoch` until which writes wait (a held 503); 0 for none.
+    hold_until: AtomicU64,
 }
 
 impl Pushback {
-    pub(crate) fn new() -> Self {
+    /// `write_timeout` is the connection's: a held write must not look like a stuck client.
+    pub(crate) fn new(write_timeout: Duration) -> Self {
         Self {
             epoch: Instant::now(),
-            until: AtomicU64::new(0),
+            max_pause: MAX_PAUSE.min(write_timeout / 2),
+            away_until: AtomicU64::new(0),
+            hold_until: AtomicU64::new(0),
         }
     }
 
-    /// Pauses reads for `pause` (at most [`MAX_PAUSE`]) from now.
-    pub(crate) fn pause(&self, pause: Duration) {
-        let until = (Instant::now() + pause.min(MAX_PAUSE)).saturating_duration_since(self.epoch);
-        self.until
-            .fetch_max(until.as_nanos() as u64, Ordering::Relaxed);
+    fn nanos(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.epoch).as_nanos() as u64
     }
 
-    fn paused_until(&self) -> Option<Instant> {
-        let until = self.until.load(Ordering::Relaxed);
-        let until = self.epoch + Duration::from_nanos(until);
+    fn instant(&self, nanos: u64) -> Instant {
+        self.epoch + Duration::from_nanos(nanos)
+    }
+
+    /// The request on this connection is being turned away with `retry_after`. Returns whether
+    /// its answer is held (the client came back before its last 503's `Retry-After`).
+    pub(crate) fn rejected(&self, retry_after: Duration) -> bool {
+        let now = Instant::now();
+        let pause = retry_after.min(self.max_pause);
+        let away = self.instant(self.away_until.load(Ordering::Relaxed));
+        if away > now {
+            // Early: the answer waits for the time the client was asked to wait for, and the
+            // next stay-away counts from when it gets the answer.
+            self.hold_until.store(self.nanos(away), Ordering::Relaxed);
+            self.away_until
+                .store(self.nanos(away + pause), Ordering::Relaxed);
+            true
+        } else {
+            self.away_until
+                .store(self.nanos(now + pause), Ordering::Relaxed);
+            false
+        }
+    }
+
+    fn held_until(&self) -> Option<Instant> {
+        let until = self.hold_until.load(Ordering::Relaxed);
+        if until == 0 {
+            return None;
+        }
+        let until = self.instant(until);
         (until > Instant::now()).then_some(until)
     }
 }
 
-/// An IO object whose reads wait while its [`Pushback`] says so.
+/// An IO object whose writes wait while its [`Pushback`] holds an answer.
 pub(crate) struct Pausable<S> {
     inner: S,
     pushback: std::sync::Arc<Pushback>,
@@ -75,11 +120,23 @@ impl<S> Pausable<S> {
             sleep: None,
         }
     }
-}
 
-impl<S> Pausable<S> {
     pub(crate) fn get_ref(&self) -> &S {
         &self.inner
+    }
+
+    /// Ready once no answer is held. The common case: one relaxed load.
+    fn poll_hold(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        while let Some(until) = self.pushback.held_until() {
+            let sleep = self
+                .sleep
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(until)));
+            if sleep.deadline() != until {
+                sleep.as_mut().reset(until);
+            }
+            ready!(sleep.as_mut().poll(cx));
+        }
+        Poll::Ready(())
     }
 }
 
@@ -89,19 +146,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Pausable<S> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        // The common case: one relaxed load and a clock read.
-        while let Some(until) = this.pushback.paused_until() {
-            let sleep = this
-                .sleep
-                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(until)));
-            if sleep.deadline() != until {
-                sleep.as_mut().reset(until);
-            }
-            ready!(sleep.as_mut().poll(cx));
-        }
-        this.sleep = None;
-        Pin::new(&mut this.inner).poll_read(cx, buf)
+        Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }
 
@@ -111,6 +156,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Pausable<S> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        ready!(self.poll_hold(cx));
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
@@ -119,6 +165,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Pausable<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        ready!(self.poll_hold(cx));
         Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
     }
 
@@ -127,6 +174,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Pausable<S> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(self.poll_hold(cx));
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 
@@ -143,46 +191,92 @@ mod tests {
 
     use super::*;
 
+    const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+    const RETRY_AFTER: Duration = Duration::from_millis(1500);
+
     #[tokio::test(start_paused = true)]
-    async fn reads_wait_out_the_pause_and_writes_do_not() {
+    async fn a_first_rejection_is_answered_at_once_and_reads_are_never_paused() {
         let (client, server) = tokio::io::duplex(1024);
-        let pushback = Arc::new(Pushback::new());
+        let pushback = Arc::new(Pushback::new(WRITE_TIMEOUT));
         let mut server = Pausable::new(server, Arc::clone(&pushback));
         let (mut client_rx, mut client_tx) = tokio::io::split(client);
-        client_tx.write_all(b"next request").await.unwrap();
 
-        pushback.pause(Duration::from_millis(500));
         let started = Instant::now();
+        assert!(
+            !pushback.rejected(RETRY_AFTER),
+            "nothing asked it to stay away yet"
+        );
         server.write_all(b"503").await.unwrap();
         let mut answer = [0u8; 3];
         client_rx.read_exact(&mut answer).await.unwrap();
         assert_eq!(&answer, b"503");
-        assert_eq!(started.elapsed(), Duration::ZERO, "writes are not paused");
-
-        let mut buf = [0u8; 12];
+        // The retry, at once: read at once, so it can be admitted if there is room.
+        client_tx.write_all(b"retry").await.unwrap();
+        let mut buf = [0u8; 5];
         server.read_exact(&mut buf).await.unwrap();
-        assert_eq!(&buf, b"next request");
-        assert!(
-            started.elapsed() >= Duration::from_millis(500),
-            "the read waited for the pause: {:?}",
-            started.elapsed()
-        );
+        assert_eq!(&buf, b"retry");
+        assert_eq!(started.elapsed(), Duration::ZERO, "neither was delayed");
+        // Admitted: its answer is not held either.
+        server.write_all(b"200").await.unwrap();
+        server.flush().await.unwrap();
+        client_rx.read_exact(&mut answer).await.unwrap();
+        assert_eq!(&answer, b"200");
+        assert_eq!(started.elapsed(), Duration::ZERO, "a success is never held");
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_pause_is_capped_and_a_longer_one_extends_it() {
-        let pushback = Pushback::new();
-        pushback.pause(Duration::from_secs(30));
-        let until = pushback.paused_until().unwrap();
-        assert_eq!(until - Instant::now(), MAX_PAUSE);
-        tokio::time::advance(MAX_PAUSE).await;
-        assert!(pushback.paused_until().is_none());
-        pushback.pause(Duration::from_millis(100));
-        pushback.pause(Duration::from_millis(10));
+    async fn a_rejection_of_a_client_back_too_early_is_held_until_its_retry_after() {
+        let (client, server) = tokio::io::duplex(1024);
+        let pushback = Arc::new(Pushback::new(WRITE_TIMEOUT));
+        let mut server = Pausable::new(server, Arc::clone(&pushback));
+        let mut client = client;
+        let first = Instant::now();
+        assert!(!pushback.rejected(RETRY_AFTER));
+        tokio::time::advance(Duration::from_millis(10)).await;
+
+        assert!(pushback.rejected(RETRY_AFTER), "back after 10 ms of 1.5 s");
+        server.write_all(b"503").await.unwrap();
+        server.flush().await.unwrap();
+        let mut answer = [0u8; 3];
+        client.read_exact(&mut answer).await.unwrap();
         assert_eq!(
-            pushback.paused_until().unwrap() - Instant::now(),
-            Duration::from_millis(100),
-            "a shorter pause does not cut a longer one short"
+            first.elapsed(),
+            RETRY_AFTER,
+            "held until the first 503's Retry-After"
+        );
+        // At once again: the next stay-away counts from the held answer.
+        assert!(pushback.rejected(RETRY_AFTER));
+        server.write_all(b"503").await.unwrap();
+        client.read_exact(&mut answer).await.unwrap();
+        assert_eq!(first.elapsed(), RETRY_AFTER * 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_waited_as_asked_is_not_held() {
+        let pushback = Pushback::new(WRITE_TIMEOUT);
+        assert!(!pushback.rejected(RETRY_AFTER));
+        tokio::time::advance(RETRY_AFTER).await;
+        assert!(
+            !pushback.rejected(RETRY_AFTER),
+            "it waited the whole Retry-After"
+        );
+        assert!(pushback.held_until().is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_stay_away_is_capped_by_max_pause_and_the_write_timeout() {
+        let pushback = Pushback::new(WRITE_TIMEOUT);
+        pushback.rejected(Duration::from_secs(30));
+        assert!(pushback.rejected(Duration::from_secs(30)));
+        assert_eq!(pushback.held_until().unwrap() - Instant::now(), MAX_PAUSE);
+
+        let short = Pushback::new(Duration::from_millis(600));
+        short.rejected(Duration::from_secs(30));
+        assert!(short.rejected(Duration::from_secs(30)));
+        assert_eq!(
+            short.held_until().unwrap() - Instant::now(),
+            Duration::from_millis(300),
+            "half the write timeout, so a held answer is never taken for a stuck client"
         );
     }
 }
