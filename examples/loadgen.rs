@@ -17,6 +17,14 @@
 //!   that, on a 503 or 429, waits the `Retry-After` seconds (1 s when the header is missing,
 //!   which is counted) before its next request on that connection, as SDKs with a retry policy do.
 //! - and the closed loop itself (`--closed N`), so all three shapes count outcomes the same way.
+//!   `--spike-to M --spike-at T --spike-for D` adds a step to it: T seconds into the measured
+//!   window, M − N more connections join for D seconds and then leave (each finishes the request
+//!   it has in flight), the shape of a traffic spike against a server that was coping.
+//!
+//! Ids: `{id}` in `--path-template` is drawn uniformly from 1..=`--id-max`, or with `--zipf S`
+//! from a Zipf distribution of exponent S (id k with weight 1/k^S, id 1 the most frequent): real
+//! users are not uniform, and a per-user cache's hit ratio depends on exactly that skew. The draw
+//! is one uniform number and a binary search in a precomputed table of the cumulative weights.
 //!
 //! Outcomes: a **full** 200 (the dashboard's `degraded` list is empty, or the body has no such
 //! field), a **degraded** 200 (`"degraded":[...]` names a part: see `src/fanout.rs`), 503, 429,
@@ -26,6 +34,9 @@
 //! marks the start of the measured `--duration` (so a caller can take its own snapshots then).
 //! Requests still in flight when it ends are counted as `in_flight_at_end`, not as errors. A response with `Connection: close`
 //! (or a connection the server closed) makes the client reconnect; that is counted, not an error.
+//! Besides the totals, `series` has the same outcomes per second of the measured window (by the
+//! second an answer arrived) with the requests sent and the most connections open in that
+//! second, so a spike can be read over time.
 //!
 //! The result is one JSON document, written to `--json PATH` (or `$LOADGEN_JSON`), and one
 //! summary line on stdout. `bench/lib/measure.py --loadgen` runs it and folds the JSON into the
@@ -76,11 +87,23 @@ struct Args {
     /// Seconds of the same load before the measured window, not counted.
     #[arg(long, default_value_t = 0.0)]
     warmup: f64,
-    /// Request path; `{id}` is replaced by a uniform random id in 1..=--id-max.
+    /// Request path; `{id}` is replaced by a random id in 1..=--id-max (uniform, or --zipf).
     #[arg(long, default_value = "/")]
     path_template: String,
     #[arg(long, default_value_t = 1)]
     id_max: u64,
+    /// Draw ids from a Zipf distribution with this exponent (e.g. 1.05) instead of uniformly.
+    #[arg(long)]
+    zipf: Option<f64>,
+    /// Closed loop: the connections during a spike (more than --closed).
+    #[arg(long, requires = "closed")]
+    spike_to: Option<usize>,
+    /// Seconds into the measured window at which the spike starts.
+    #[arg(long, default_value_t = 0.0)]
+    spike_at: f64,
+    /// Seconds the spike lasts.
+    #[arg(long, default_value_t = 0.0)]
+    spike_for: f64,
     /// Open loop: most connections open at once.
     #[arg(long, default_value_t = 10_000)]
     max_connections: usize,
@@ -127,10 +150,28 @@ struct Stats {
     retry_after_waits: u64,
     retry_after_missing: u64,
     retry_after_wait_s: f64,
+    /// Start of the measured window: second 0 of `series`.
+    measured_from: Instant,
+    series: Vec<Second>,
+}
+
+/// What happened in one second of the measured window.
+#[derive(Default, Clone, serde::Serialize)]
+struct Second {
+    full: u64,
+    degraded: u64,
+    /// 503 and 429.
+    rejected: u64,
+    other: u64,
+    /// Socket errors of every kind.
+    errors: u64,
+    sent: u64,
+    /// The most connections open at once in this second.
+    open_max: usize,
 }
 
 impl Stats {
-    fn new() -> Self {
+    fn new(measured_from: Instant) -> Self {
         let h = || Histogram::new_with_bounds(1, 120_000_000, 3).expect("valid bounds");
         Stats {
             full: h(),
@@ -152,12 +193,30 @@ impl Stats {
             retry_after_waits: 0,
             retry_after_missing: 0,
             retry_after_wait_s: 0.0,
+            measured_from,
+            series: Vec::new(),
         }
+    }
+
+    /// This second's entry of the series (created on first use).
+    fn second(&mut self) -> &mut Second {
+        let at = Instant::now().saturating_duration_since(self.measured_from);
+        let index = usize::try_from(at.as_secs()).unwrap_or(usize::MAX);
+        if self.series.len() <= index {
+            self.series.resize(index + 1, Second::default());
+        }
+        &mut self.series[index]
     }
 
     fn send(&mut self) {
         self.in_flight += 1;
-        self.sent += u64::from(self.measuring);
+        if self.measuring {
+            self.sent += 1;
+            let open = self.open;
+            let second = self.second();
+            second.sent += 1;
+            second.open_max = second.open_max.max(open);
+        }
     }
 
     fn record(&mut self, outcome: Outcome, latency: Duration) {
@@ -184,6 +243,16 @@ impl Stats {
         if let Some(h) = histogram {
             h.saturating_record(us);
         }
+        let second = self.second();
+        match outcome {
+            Outcome::Full => second.full += 1,
+            Outcome::Degraded => second.degraded += 1,
+            Outcome::Rejected503 | Outcome::Rejected429 => second.rejected += 1,
+            Outcome::Other(_) => second.other += 1,
+            Outcome::Connect | Outcome::Read | Outcome::Write | Outcome::Timeout => {
+                second.errors += 1;
+            }
+        }
         if let Some(s) = status {
             *self.status.entry(s).or_default() += 1;
         }
@@ -204,7 +273,7 @@ struct Shared {
     addr: SocketAddr,
     host: String,
     template: String,
-    id_max: u64,
+    ids: Ids,
     timeout: Duration,
     deadline: Instant,
     stats: Mutex<Stats>,
@@ -218,11 +287,50 @@ impl Shared {
     }
 
     fn path(&self) -> String {
-        if self.id_max > 1 || self.template.contains("{id}") {
-            let id = rand::random_range(1..=self.id_max.max(1));
+        if self.template.contains("{id}") {
+            let id = self.ids.draw(rand::random::<f64>());
             self.template.replace("{id}", &id.to_string())
         } else {
             self.template.clone()
+        }
+    }
+}
+
+/// How `{id}` is drawn.
+enum Ids {
+    /// Uniform in 1..=max.
+    Uniform(u64),
+    /// Zipf: `cdf[k - 1]` is the probability of an id ≤ k.
+    Zipf(Vec<f64>),
+}
+
+impl Ids {
+    fn new(max: u64, zipf: Option<f64>) -> Self {
+        let max = max.max(1);
+        let Some(s) = zipf else {
+            return Ids::Uniform(max);
+        };
+        let mut cdf: Vec<f64> = (1..=max)
+            .scan(0.0, |sum, k| {
+                *sum += (k as f64).powf(-s);
+                Some(*sum)
+            })
+            .collect();
+        let total = cdf.last().copied().unwrap_or(1.0);
+        for c in &mut cdf {
+            *c /= total;
+        }
+        Ids::Zipf(cdf)
+    }
+
+    /// The id for a uniform `u` in [0, 1).
+    fn draw(&self, u: f64) -> u64 {
+        match self {
+            Ids::Uniform(max) => ((u * *max as f64) as u64).min(max - 1) + 1,
+            Ids::Zipf(cdf) => {
+                let rank = cdf.partition_point(|&c| c <= u).min(cdf.len() - 1);
+                rank as u64 + 1
+            }
         }
     }
 }
@@ -316,10 +424,12 @@ fn is_degraded(body: &[u8]) -> bool {
         .is_some_and(|at| body.get(at + KEY.len()).is_some_and(|&c| c != b']'))
 }
 
-/// One closed-loop connection; with `honour`, it waits Retry-After after a rejection.
-async fn closed_loop(shared: Arc<Shared>, honour: bool) {
+/// One closed-loop connection until `until` (at most the run's deadline); with `honour`, it
+/// waits Retry-After after a rejection.
+async fn closed_loop(shared: Arc<Shared>, honour: bool, until: Instant) {
     let mut sender: Option<SendRequest<Empty<Bytes>>> = None;
-    while Instant::now() < shared.deadline {
+    let until = until.min(shared.deadline);
+    while Instant::now() < until {
         let started = Instant::now();
         let mut conn = match sender.take() {
             Some(s) => s,
@@ -365,9 +475,22 @@ async fn closed_loop(shared: Arc<Shared>, honour: bool) {
             }
         };
         if let Some(wait) = wait {
-            tokio::time::sleep_until(shared.deadline.min(Instant::now() + wait)).await;
+            tokio::time::sleep_until(until.min(Instant::now() + wait)).await;
         }
     }
+    if sender.is_some() {
+        shared.stats().open -= 1;
+    }
+}
+
+/// The spike: `extra` more closed-loop connections from `start` for `length`.
+async fn spike(shared: Arc<Shared>, extra: usize, start: Instant, length: Duration) {
+    tokio::time::sleep_until(start).await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..extra {
+        tasks.spawn(closed_loop(Arc::clone(&shared), false, start + length));
+    }
+    while tasks.join_next().await.is_some() {}
 }
 
 /// One open-loop request, scheduled for `at`, on `sender` or on a new connection.
@@ -464,16 +587,28 @@ async fn main() -> anyhow::Result<()> {
         (None, None, Some(n)) => ("retry-after", n as f64),
         _ => anyhow::bail!("give exactly one of --closed N, --rate R (> 0), --retry-after N"),
     };
+    if let Some(s) = args.zipf {
+        anyhow::ensure!(
+            s.is_finite() && s > 0.0,
+            "--zipf must be a positive exponent"
+        );
+    }
+    if let Some(to) = args.spike_to {
+        anyhow::ensure!(
+            to > args.closed.unwrap_or(0) && args.spike_at >= 0.0 && args.spike_for > 0.0,
+            "--spike-to needs more connections than --closed and a --spike-for > 0"
+        );
+    }
     let started = Instant::now();
     let measured_from = started + Duration::from_secs_f64(args.warmup);
     let shared = Arc::new(Shared {
         addr,
         host: authority.to_string(),
         template: args.path_template.clone(),
-        id_max: args.id_max,
+        ids: Ids::new(args.id_max, args.zipf),
         timeout: Duration::from_secs_f64(args.timeout),
         deadline: measured_from + Duration::from_secs_f64(args.duration),
-        stats: Mutex::new(Stats::new()),
+        stats: Mutex::new(Stats::new(measured_from)),
         idle: Mutex::new(Vec::new()),
     });
     let mut tasks = tokio::task::JoinSet::new();
@@ -490,7 +625,19 @@ async fn main() -> anyhow::Result<()> {
         }
         _ => {
             for _ in 0..load as usize {
-                tasks.spawn(closed_loop(Arc::clone(&shared), mode == "retry-after"));
+                tasks.spawn(closed_loop(
+                    Arc::clone(&shared),
+                    mode == "retry-after",
+                    shared.deadline,
+                ));
+            }
+            if let Some(to) = args.spike_to {
+                tasks.spawn(spike(
+                    Arc::clone(&shared),
+                    to - load as usize,
+                    measured_from + Duration::from_secs_f64(args.spike_at),
+                    Duration::from_secs_f64(args.spike_for),
+                ));
             }
         }
     }
@@ -529,6 +676,9 @@ async fn main() -> anyhow::Result<()> {
         "connections_max": s.connections_max,
         "reconnects": s.reconnects,
         "retry_after": {"waits": s.retry_after_waits, "missing": s.retry_after_missing, "wait_s": s.retry_after_wait_s},
+        "ids": {"max": args.id_max, "zipf": args.zipf},
+        "spike": args.spike_to.map(|to| json!({"to": to, "at_s": args.spike_at, "for_s": args.spike_for})),
+        "series": s.series,
     });
     println!(
         "loadgen {mode} {load}: {:.0} full 200/s, {answered} answers ({:?}), {errors} socket errors, {} unsent",
@@ -545,7 +695,66 @@ async fn main() -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::is_degraded;
+    use super::{Ids, Outcome, Stats, is_degraded};
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    #[test]
+    fn zipf_ids_follow_their_weights_and_stay_in_range() {
+        let ids = Ids::new(10, Some(1.0));
+        // P(id 1) = 1 / H(10) = 0.3414; the table's edges map to the first and last id.
+        let harmonic: f64 = (1..=10).map(|k| 1.0 / f64::from(k)).sum();
+        assert_eq!(ids.draw(0.0), 1);
+        assert_eq!(ids.draw(1.0 / harmonic - 1e-9), 1);
+        assert_eq!(ids.draw(1.0 / harmonic + 1e-9), 2);
+        assert_eq!(ids.draw(0.999_999_999), 10);
+        let draws = 100_000;
+        let mut counts = [0u32; 10];
+        for i in 0..draws {
+            let id = ids.draw(f64::from(i) / f64::from(draws));
+            counts[usize::try_from(id).unwrap() - 1] += 1;
+        }
+        let share = |id: usize| f64::from(counts[id - 1]) / f64::from(draws);
+        assert!((share(1) - 1.0 / harmonic).abs() < 0.001, "{}", share(1));
+        assert!((share(10) - 0.1 / harmonic).abs() < 0.001, "{}", share(10));
+    }
+
+    #[test]
+    fn uniform_ids_cover_the_range_evenly() {
+        let ids = Ids::new(4, None);
+        let drawn: Vec<u64> = [0.0, 0.24, 0.25, 0.5, 0.75, 0.999_999]
+            .map(|u| ids.draw(u))
+            .into();
+        assert_eq!(drawn, [1, 1, 2, 3, 4, 4]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_series_counts_each_outcome_in_the_second_it_arrived() {
+        let mut stats = Stats::new(Instant::now());
+        stats.measuring = true;
+        stats.opened();
+        stats.send();
+        stats.record(Outcome::Full, Duration::from_millis(5));
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        stats.send();
+        stats.send();
+        stats.record(Outcome::Degraded, Duration::from_millis(5));
+        stats.record(Outcome::Rejected503, Duration::from_millis(5));
+        stats.record(Outcome::Timeout, Duration::from_millis(5));
+        let s = &stats.series;
+        assert_eq!(s.len(), 2);
+        assert_eq!((s[0].full, s[0].sent, s[0].open_max), (1, 1, 1));
+        assert_eq!(
+            (
+                s[1].full,
+                s[1].degraded,
+                s[1].rejected,
+                s[1].errors,
+                s[1].sent
+            ),
+            (0, 1, 1, 1, 2)
+        );
+    }
 
     #[test]
     fn a_dashboard_is_degraded_only_when_its_degraded_list_names_a_part() {
