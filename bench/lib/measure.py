@@ -13,12 +13,17 @@ What a run records, and where each number comes from:
 * busy fraction of each core from /proc/stat, so a saturated core is visible;
 * selected Prometheus metrics scraped before and after the run (deltas), when --metrics-url is
   given;
+* downstream calls, when ``--sim-stats NAME=URL`` names a simulator's ``/_sim/stats`` (one per
+  downstream; the count of service NAME is read, before and after): calls per request of the
+  main load, the ground truth for what a cache saves (with ``--gauge-series``, also sampled once
+  a second as a time series of cumulative counts);
 * the scenario's physical limit (Little's law, passed in by the scenario) and
   efficiency = successful req/s / limit.
 
 With ``--loadgen BIN`` the load comes from ``examples/loadgen.rs`` instead of wrk (the
-overload-curve scenario): ``--shape closed|open|retry-after`` (``--rate`` for open; open loop
-uses ``--connections`` as its connection cap). Its JSON is folded in under ``loadgen`` and
+overload-curve and caching-spike scenarios): ``--shape closed|open|retry-after`` (``--rate`` for
+open; open loop uses ``--connections`` as its connection cap; ``--loadgen-arg`` passes anything
+else, such as a spike). Its JSON is folded in under ``loadgen`` and
 ``goodput`` (full, non-degraded 200s), and ``latency_ms`` is then the latency of the full 200s;
 The loadgen warms up in-process (same connections) and the snapshots start when it prints
 ``LOADGEN_MEASURING``. ``--gauge-series`` also keeps the once-a-second gauge samples (admission limit, shedding,
@@ -122,6 +127,15 @@ def scrape(url: str | None) -> str | None:
         return None
 
 
+def sim_calls(url: str, service: str) -> int | None:
+    """Calls the simulator at URL (its /_sim/stats) has seen for SERVICE since it started."""
+    text = scrape(url)
+    try:
+        return int(json.loads(text)[service]["requests"]) if text else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def load_average() -> list[float]:
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
@@ -179,7 +193,8 @@ class Loadgen:
     """examples/loadgen pinned to the load-generator core; same interface as Wrk."""
 
     def __init__(self, binary: str, url: str, shape: str, connections: int, rate: float | None,
-                 duration: float, warmup: float, timeout: str, cpus: str | None, env: dict[str, str]):
+                 duration: float, warmup: float, timeout: str, cpus: str | None, env: dict[str, str],
+                 extra: list[str]):
         self.json = tempfile.NamedTemporaryFile(prefix="loadgen-", suffix=".json", delete=False,
                                                 dir=os.environ.get("BENCH_LOG_DIR") or None)
         self.json.close()
@@ -194,6 +209,9 @@ class Loadgen:
             "--timeout", str(float(timeout.rstrip("s"))), "--json", self.json.name,
             "--path-template", env.get("WRK_PATH_TEMPLATE", parts.path or "/"),
             "--id-max", env.get("WRK_ID_MAX", "1"),
+            # The same Zipf exponent as wrk_report.lua's, so both generators draw users alike.
+            *(["--zipf", env["WRK_ZIPF_S"]] if env.get("WRK_ZIPF_S") else []),
+            *extra,
         ]
         if cpus:
             self.command = ["taskset", "-c", cpus, *self.command]
@@ -355,6 +373,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=["closed", "open", "retry-after"], default="closed", help="loadgen's load shape")
     ap.add_argument("--rate", type=float, help="open loop: requests per second")
     ap.add_argument("--gauge-series", action="store_true", help="keep the once-a-second gauge samples")
+    ap.add_argument("--loadgen-arg", action="append", default=[],
+                    help="one more argument for the loadgen (e.g. --loadgen-arg=--spike-to=5000)")
     ap.add_argument("--probe-url")
     ap.add_argument("--probe-connections", type=int, default=4)
     ap.add_argument("--probe-delay-ms", type=int, default=10, help="pause between a probe connection's requests")
@@ -363,6 +383,7 @@ def main() -> None:
     ap.add_argument("--proc", action="append", help="NAME=PID[,PID...] of other processes to account (summed)")
     ap.add_argument("--proc-comm", action="append", help="NAME=COMM: sum every process with that comm")
     ap.add_argument("--metrics-url")
+    ap.add_argument("--sim-stats", action="append", help="NAME=URL: a simulator's /_sim/stats; its calls of service NAME are counted")
     ap.add_argument("--info-url", help="a JSON endpoint describing the server (bench_server's /info)")
     ap.add_argument("--limit-rps", type=float, required=True, help="the scenario's physical limit")
     ap.add_argument("--limit-basis", required=True, help="how the limit was computed")
@@ -421,7 +442,7 @@ def measure_once(args) -> tuple[dict, str]:
     if args.loadgen:
         # The loadgen warms up in-process, on the connections it then measures with.
         loadgen = Loadgen(args.loadgen, args.url, args.shape, args.connections, args.rate, args.duration,
-                          args.warmup, args.timeout, cpus, wrk_env)
+                          args.warmup, args.timeout, cpus, wrk_env, args.loadgen_arg)
         loadgen.wait_measuring()
     elif args.warmup > 0:
         Wrk(args.url, args.connections, args.warmup, args.threads, args.timeout, cpus, wrk_env).wait()
@@ -432,6 +453,8 @@ def measure_once(args) -> tuple[dict, str]:
     load_before = load_average()
     builds = busy_builds()
     info = scrape(args.info_url)
+    sims = parse_kv(args.sim_stats)
+    calls_before = {name: sim_calls(url, name) for name, url in sims.items()}
     metrics_before = scrape(args.metrics_url)
     cpu_before = {name: procs_cpu_seconds(pids) for name, pids in procs.items()}
     comm_before = {name: comm_cpu_seconds(comm) for name, comm in comms.items()}
@@ -449,6 +472,7 @@ def measure_once(args) -> tuple[dict, str]:
     stop = threading.Event()
 
     gauge_samples: list[dict] = []
+    call_samples: list[dict] = []
 
     def readyz_status(url: str) -> int | None:
         try:
@@ -478,18 +502,36 @@ def measure_once(args) -> tuple[dict, str]:
             tick += 1
             stop.wait(0.5)
 
+    def sample_calls() -> None:
+        # A thread of its own, on a fixed 1 s schedule: the gateway's scrapes above slow down
+        # when it is overloaded, the simulators' counters must not.
+        tick = 0
+        while not stop.wait(max(0.0, t0 + tick - time.monotonic())):
+            counts = {name: sim_calls(url, name) for name, url in sims.items()}
+            call_samples.append({"t": round(time.monotonic() - t0, 2), **counts})
+            tick += 1
+
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    call_sampler = threading.Thread(target=sample_calls, daemon=True)
+    if sims and args.gauge_series:
+        call_sampler.start()
     main_raw = main_wrk.wait()
     probe_raw = probe.wait() if probe else None
     stop.set()
     sampler.join()
+    if call_sampler.is_alive():
+        call_sampler.join()
     wall = time.monotonic() - t0
 
     cores_after = core_times()
     cpu_after = {name: procs_cpu_seconds(pids) for name, pids in procs.items()}
     comm_after = {name: comm_cpu_seconds(comm) for name, comm in comms.items()}
     metrics_after = scrape(args.metrics_url)
+    calls_after = {name: sim_calls(url, name) for name, url in sims.items()}
+    if sims and args.gauge_series:
+        # The series' last sample is the end of the window, whatever the 1 s schedule left out.
+        call_samples.append({"t": round(time.monotonic() - t0, 2), **calls_after})
     peak_rss_kib = proc_status_kib(args.server_pid, "VmHWM")
     builds = sorted(set(builds) | set(busy_builds()))
 
@@ -563,6 +605,16 @@ def measure_once(args) -> tuple[dict, str]:
     if probe_raw:
         run["probe"] = {"url": args.probe_url, "connections": args.probe_connections,
                         "delay_ms": args.probe_delay_ms, **summarise_wrk(probe_raw)}
+    if sims:
+        # Per request of the main load (answered in the window), whatever its status.
+        run["downstream_calls"] = {
+            name: {"calls": calls_after[name] - calls_before[name],
+                   "per_request": round((calls_after[name] - calls_before[name]) / requests, 4) if requests else None}
+            if calls_before[name] is not None and calls_after[name] is not None else None
+            for name in sims
+        }
+        if args.gauge_series:
+            run["downstream_calls_series"] = call_samples
     if metrics_before is not None or metrics_after is not None:
         run["metrics"] = promtext.run_metrics(metrics_before, metrics_after)
         run["metrics"]["gauges_sampled"] = promtext.summarise_gauges(gauge_samples)
@@ -583,6 +635,9 @@ def measure_once(args) -> tuple[dict, str]:
                  f"sent {o['sent_rps']:.0f}/s, unsent {o['unsent_late']}")
     if probe_raw:
         line += f"; probe p99 {run['probe']['latency_ms']['p99']} ms"
+    if sims:
+        line += "; calls/req " + " ".join(
+            f"{name} {c['per_request']}" for name, c in run["downstream_calls"].items() if c)
     line += f"; other processes {processes['other']['cpu_util']:.2f} cores"
     return run, line
 

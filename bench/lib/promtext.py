@@ -36,6 +36,11 @@ COUNTERS = [
     "tributary_runtime_polls_total",
     # Present only in builds that count breaker transitions (the overload curve reads to="open").
     "tributary_downstream_circuit_transitions_total",
+    # The downstream caches (docs/caching.md), per downstream: hit ratio = hits / lookups.
+    "tributary_cache_hits_total",
+    "tributary_cache_misses_total",
+    "tributary_cache_coalesced_total",
+    "tributary_cache_stale_served_total",
 ]
 GAUGES = [
     "process_resident_memory_bytes",

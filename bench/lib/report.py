@@ -130,6 +130,49 @@ def little_pool(run: dict) -> float | None:
     return round(rate * query["mean_ms"] / 1000, 2)
 
 
+CACHE_COUNTERS = {"hits": "tributary_cache_hits_total", "misses": "tributary_cache_misses_total",
+                  "coalesced": "tributary_cache_coalesced_total", "stale": "tributary_cache_stale_served_total"}
+
+
+def cache_counts(run: dict) -> dict[str, dict[str, int]]:
+    """Per downstream with any cache lookup in the window: hits, misses, coalesced, stale."""
+    result: dict[str, dict[str, int]] = {}
+    for kind, family in CACHE_COUNTERS.items():
+        for labels, value in dig(run, "metrics", family, default={}).items():
+            downstream = dict(kv.split("=", 1) for kv in labels.split(",") if "=" in kv).get("downstream", labels)
+            result.setdefault(downstream, {k: 0 for k in CACHE_COUNTERS})[kind] += value
+    return result
+
+
+def hit_ratio(counts: dict[str, int] | None) -> float | None:
+    """hits / lookups (a lookup is a hit, a miss that started a call, or a wait for another's call)."""
+    if not counts:
+        return None
+    lookups = counts["hits"] + counts["misses"] + counts["coalesced"]
+    return counts["hits"] / lookups if lookups else None
+
+
+def calls_aggregate(runs: list[dict]) -> dict | None:
+    """Medians of downstream calls per request (the simulators' counters) and of the cache hit
+    ratio per downstream (the gateway's counters), when the runs recorded them."""
+    if not any(r.get("downstream_calls") for r in runs):
+        return None
+    names = list(dict.fromkeys(n for r in runs for n in (r.get("downstream_calls") or {})))
+    per_request = {n: median([dig(r, "downstream_calls", n, "per_request") for r in runs]) for n in names}
+    totals = [sum(c["per_request"] for c in r["downstream_calls"].values() if c and c["per_request"] is not None)
+              for r in runs if r.get("downstream_calls")]
+    counts = [cache_counts(r) for r in runs]
+    cached = list(dict.fromkeys(n for c in counts for n in c))
+    return {
+        "per_request": per_request,
+        "total_per_request": median(totals),
+        "hit_ratio": {n: median([hit_ratio(c.get(n)) for c in counts]) for n in cached},
+        "coalesced_share": {n: median([c[n]["coalesced"] / max(c[n]["hits"] + c[n]["misses"] + c[n]["coalesced"], 1)
+                                       for c in counts if n in c]) for n in cached},
+        "stale_served": {n: median([c[n]["stale"] for c in counts if n in c]) for n in cached},
+    }
+
+
 def aggregate(variant: str, x: float, all_runs: list[dict]) -> dict:
     # Runs during which other processes on this shared machine used noticeable CPU are kept and
     # flagged; the medians use the undisturbed ones when there are any.
@@ -178,6 +221,9 @@ def aggregate(variant: str, x: float, all_runs: list[dict]) -> dict:
         "limiting_resource": limiting_resource(sorted(runs, key=lambda r: r["ok_rps"])[len(runs) // 2]),
         "config": first["config"],
     }
+    calls = calls_aggregate(runs)
+    if calls:
+        row["downstream_calls"] = calls
     if any("probe" in r for r in runs):
         row["probe_latency_ms"] = {k: median([dig(r, "probe", "latency_ms", k) for r in runs]) for k in ("p50", "p99", "p99.9")}
         row["probe_ok_rps"] = median([dig(r, "probe", "ok_rps") for r in runs])
@@ -283,6 +329,7 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
                  pct(r["cores_busy"].get("cpu0")), pct(r["cores_busy"].get("cpu1"))]
         cells += [fmt(r["process_cpu_util"].get(p), 2) for p in procs] + [r["limiting_resource"]]
         out.append("| " + " | ".join(cells) + " |")
+    out += calls_table(rows, x_name)
     if any("gateway_metrics" in r for r in rows):
         out += ["", "## Gateway metrics (deltas of /metrics over the measured window)", ""]
         keys = [
@@ -314,6 +361,31 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
     out += ["", "![plot](plot.png)", "", "One JSON per run is in `runs/` (wrk command, per-process CPU, core "
             "busy fractions, RSS samples, metric deltas).", ""]
     return "\n".join(out)
+
+
+def calls_table(rows: list[dict], x_name: str) -> list[str]:
+    """Downstream calls per request and cache hit ratios, when the runs counted calls."""
+    if not any("downstream_calls" in r for r in rows):
+        return []
+    names = list(dict.fromkeys(n for r in rows for n in dig(r, "downstream_calls", "per_request", default={})))
+    cached = list(dict.fromkeys(n for r in rows for n in dig(r, "downstream_calls", "hit_ratio", default={})))
+    header = ["variant", x_name] + [f"{n} calls/req" for n in names] + ["all calls/req"]
+    header += [f"{n} hit ratio (coalesced)" for n in cached]
+    out = ["", "## Downstream calls and cache", "",
+           "Calls per request are the simulators' own counts (`/_sim/stats`, before and after the window) ÷ the "
+           "requests answered in it; 1.00 is one call per dashboard, what no cache does. Hit ratio = hits ÷ lookups "
+           "from the gateway's `tributary_cache_*` counters (a lookup is a hit, a miss that made the call, or a "
+           "wait for a call another request made: the coalesced share in brackets); `–`: no cache on that service.",
+           "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        c = r.get("downstream_calls") or {}
+        cells = [r["variant"], fmt(r["x"], 0)]
+        cells += [fmt(dig(c, "per_request", n), 3) for n in names] + [fmt(c.get("total_per_request"), 3)]
+        for n in cached:
+            ratio = dig(c, "hit_ratio", n)
+            cells.append("–" if ratio is None else f"{ratio:.1%} ({dig(c, 'coalesced_share', n):.1%})")
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def baseline_comparison(rows: list[dict], runs: list[dict]) -> list[str]:
@@ -441,10 +513,11 @@ def summary_table(args) -> None:
     out = ["# Benchmark results: headline table", "",
            "Generated by `bench/lib/report.py summary` from each scenario's `summary.json`; "
            "medians over repetitions. Each scenario's `report.md` has the full tables, the machine and the command.", ""]
-    order = ["seed-baseline", "sweep", "overload", "overload-curve", "cpu", "mixed", "pinning", "pool", "instrumentation"]
+    order = ["seed-baseline", "sweep", "overload", "overload-curve", "cpu", "mixed", "pinning", "pool", "instrumentation",
+             "caching", "caching-spike"]
     found = sorted(results.glob("*/summary.json"), key=lambda p: order.index(p.parent.name) if p.parent.name in order else 99)
     header = ["scenario", "variant", "x", "runs used (disturbed)", "ok req/s", "limit", "efficiency", "p50 ms", "p99 ms", "p99.9 ms",
-              "probe p99 ms", "server CPU ms/req", "peak RSS MB", "errors", "limiting resource"]
+              "probe p99 ms", "server CPU ms/req", "peak RSS MB", "downstream calls/req", "errors", "limiting resource"]
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for path in found:
         data = json.loads(path.read_text())
@@ -456,6 +529,7 @@ def summary_table(args) -> None:
                 fmt(r["ok_rps"], 0), fmt(r["limit_rps"], 0), pct(r["efficiency"]), fmt(r["latency_ms"]["p50"], 1),
                 fmt(r["latency_ms"]["p99"], 1), fmt(r["latency_ms"]["p99.9"], 1),
                 fmt(dig(r, "probe_latency_ms", "p99"), 2), fmt(r["server_cpu_ms_per_request"], 3), fmt(r["peak_rss_mb"], 1),
+                fmt(dig(r, "downstream_calls", "total_per_request"), 2),
                 ", ".join(f"{k}: {v:,}" for k, v in errors.items()) or "0", r["limiting_resource"],
             ]) + " |")
     out.append("")
