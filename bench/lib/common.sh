@@ -242,6 +242,20 @@ SIM_SERVICES=(users carts recommendations promotions notifications)
 SIM_PIDS=()
 GATEWAY_SETTINGS=()
 GATEWAY_WRAPPER=()
+# The caching scenarios' cache set-up (docs/caching.md): site-wide promotions shared by every
+# user, and a per-user cache for the profile (short: it is the user's own, edited data) and the
+# recommendations. carts and notifications stay uncached: they change with every action.
+# shellcheck disable=SC2034 # read by bench/scenarios/caching*.sh
+BENCH_CACHE_SETTINGS=(
+  "TRIBUTARY_DOWNSTREAMS__PROMOTIONS__CACHE__KEY=shared"
+  "TRIBUTARY_DOWNSTREAMS__PROMOTIONS__CACHE__TTL=30s"
+  "TRIBUTARY_DOWNSTREAMS__USERS__CACHE__KEY=per_user"
+  "TRIBUTARY_DOWNSTREAMS__USERS__CACHE__TTL=5s"
+  "TRIBUTARY_DOWNSTREAMS__RECOMMENDATIONS__CACHE__KEY=per_user"
+  "TRIBUTARY_DOWNSTREAMS__RECOMMENDATIONS__CACHE__TTL=30s"
+)
+# Zipf exponent of the user ids in the caching scenarios: id k is drawn with weight 1/k^s.
+BENCH_ZIPF_S="${BENCH_ZIPF_S:-1.05}"
 
 bench_gateway_bin() {
   local name="$1"
@@ -284,6 +298,16 @@ bench_start_sims() {
   done
   for i in "${!SIM_SERVICES[@]}"; do
     bench_wait_http "http://127.0.0.1:${SIM_PORTS[$i]}/healthz" 30 "${SIM_PIDS[$i]}"
+  done
+}
+
+# bench_sim_stats_args : sets BENCH_SIM_STATS_ARGS to measure.py's --sim-stats for every
+# simulator, so that a run records each downstream's calls from the simulator's own counter.
+bench_sim_stats_args() {
+  local i
+  BENCH_SIM_STATS_ARGS=()
+  for i in "${!SIM_SERVICES[@]}"; do
+    BENCH_SIM_STATS_ARGS+=(--sim-stats "${SIM_SERVICES[$i]}=http://127.0.0.1:${SIM_PORTS[$i]}/_sim/stats")
   done
 }
 
