@@ -26,43 +26,20 @@
 # Everything it starts is stopped on exit (trap), the database dropped and the work directory
 # removed; the whole run is bounded by API_CHECK_TIMEOUT seconds (default 600).
 set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "$0")/lib.sh"
 
-API_CHECK_TIMEOUT=${API_CHECK_TIMEOUT:-600}
-if [[ -z ${API_CHECK_BOUNDED:-} ]]; then
-  API_CHECK_BOUNDED=1 exec timeout -k 15 "$API_CHECK_TIMEOUT" bash "$0" "$@"
-fi
-
-cd "$(dirname "$0")/.."
-ROOT=$PWD
-BIN_DIR=${BIN_DIR:-target/debug}
-case $BIN_DIR in /*) ;; *) BIN_DIR=$ROOT/$BIN_DIR ;; esac
+ci_bound API_CHECK 600 "$@"
+ci_prelude tributary_api_check
 SEED=${API_CHECK_SEED:-20261201}
 EXAMPLES=${API_CHECK_EXAMPLES:-50}
-PGHOST=${PGHOST:-127.0.0.1}
-PGPORT=${PGPORT:-5432}
-PGUSER=${PGUSER:-postgres}
-export PGHOST PGPORT PGUSER
-DB_NAME=tributary_api_check_$(od -An -N4 -tx4 /dev/urandom | tr -d ' ')
-DB_CREATED=0
 WORK=$(mktemp -d /tmp/tributary-api-check.XXXXXX)
-PIDS=()
 
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM
-  local i
-  # Newest first: the gateway stops before its downstream does.
-  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
-    kill -TERM "${PIDS[i]}" 2>/dev/null || :
-  done
-  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
-    for _ in $(seq 50); do kill -0 "${PIDS[i]}" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "${PIDS[i]}" 2>/dev/null || :
-  done
-  if ((DB_CREATED)); then
-    timeout 20 psql -q -d postgres -c "DROP DATABASE IF EXISTS $DB_NAME WITH (FORCE)" >/dev/null 2>&1 ||
-      echo "check-api: could not drop database $DB_NAME"
-  fi
+  ci_stop_all
+  ci_drop_db "check-api: "
   if ((rc != 0)); then
     local f
     for f in "$WORK"/{sim,gateway}.log; do

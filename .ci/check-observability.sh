@@ -32,29 +32,17 @@
 # on exit; when a check failed the last lines of each log are printed first, and OBS_KEEP_WORK=1
 # keeps the directory.
 set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "$0")/lib.sh"
 
-# The whole run is time-bounded: re-run this script under timeout(1), which sends TERM (then KILL
-# 15 s later) when OBS_CHECK_TIMEOUT runs out; the TERM trap below stops everything started.
-OBS_CHECK_TIMEOUT=${OBS_CHECK_TIMEOUT:-600}
-if [[ -z ${OBS_CHECK_BOUNDED:-} ]]; then
-  OBS_CHECK_BOUNDED=1 exec timeout -k 15 "$OBS_CHECK_TIMEOUT" bash "$0" "$@"
-fi
-
-cd "$(dirname "$0")/.."
-ROOT=$PWD
-BIN_DIR=${BIN_DIR:-target/debug}
-case $BIN_DIR in /*) ;; *) BIN_DIR=$ROOT/$BIN_DIR ;; esac
+# The whole run is time-bounded (OBS_CHECK_TIMEOUT, default 600 s); the TERM trap below stops
+# everything started.
+ci_bound OBS_CHECK 600 "$@"
+ci_prelude tributary_obs_check
 TRAFFIC_SECONDS=${TRAFFIC_SECONDS:-25}
-PGHOST=${PGHOST:-127.0.0.1}
-PGPORT=${PGPORT:-5432}
-PGUSER=${PGUSER:-postgres}
-export PGHOST PGPORT PGUSER
-DB_NAME=tributary_obs_check_$(od -An -N4 -tx4 /dev/urandom | tr -d ' ')
-DB_CREATED=0
 DATABASE_URL="postgres://$PGUSER@$PGHOST:$PGPORT/$DB_NAME"
 OBS_WORK=$(mktemp -d /tmp/tributary-obs-check.XXXXXX)
 
-PIDS=()
 PASSED=0
 FAILED=0
 FAILURES=()
@@ -63,19 +51,8 @@ cleanup() {
   local rc=$?
   trap - EXIT INT TERM
   # Newest first, so that the traffic stops before the gateway does.
-  local i
-  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
-    kill -TERM "${PIDS[i]}" 2>/dev/null || :
-  done
-  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
-    # Bounded: a process that ignores TERM for 5 s is killed.
-    for _ in $(seq 50); do kill -0 "${PIDS[i]}" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "${PIDS[i]}" 2>/dev/null || :
-  done
-  if ((DB_CREATED)); then
-    timeout 20 psql -q -d postgres -c "DROP DATABASE IF EXISTS $DB_NAME WITH (FORCE)" >/dev/null 2>&1 ||
-      echo "could not drop database $DB_NAME"
-  fi
+  ci_stop_all
+  ci_drop_db ""
   if [[ -n ${OBS_KEEP_WORK:-} ]]; then
     echo "work directory kept: $OBS_WORK"
   else
