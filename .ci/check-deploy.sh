@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Static checks of the deployment artefacts: Dockerfile, docker-compose.yml, k8s/ and deploy/.
+# Static checks of the deployment artefacts: Dockerfile, docker-compose.yml (and its collector
+# variant docker-compose.otel.yml), k8s/ and deploy/.
 #
 #   bash .ci/check-deploy.sh          # from anywhere; BIN_DIR selects the gateway binary (target/debug)
 #
@@ -100,6 +101,18 @@ check "compose: docker-compose.yml accepted by docker-compose $(docker-compose v
   docker-compose -f docker-compose.yml --profile bench config -q
 check "compose: docker-compose.yml with the CI override docker-compose.ci.yml accepted by docker-compose config -q" \
   docker-compose -f docker-compose.yml -f docker-compose.ci.yml config -q
+# The collector variant: an override file, checked on its own against the schema and merged with
+# the base file by compose itself; the merge is what the checks below read.
+check "compose: docker-compose.otel.yml (the collector variant) against the compose-spec schema" \
+  check-jsonschema --builtin-schema vendor.compose-spec docker-compose.otel.yml
+compose_otel() { docker-compose -f docker-compose.yml -f docker-compose.otel.yml config >"$WORK/compose-otel.yml"; }
+export -f compose_otel
+check "compose: docker-compose.yml with docker-compose.otel.yml accepted by docker-compose config" compose_otel
+check "collector variant: pinned image, pipelines name defined components, ports agree with the gateway and Prometheus (deploy/check-otel-collector.py)" \
+  "$PY" deploy/check-otel-collector.py "$WORK/compose-otel.yml"
+sed 's/exporters: \[prometheus\]/exporters: [prometheusremotewrite]/' deploy/otel-collector.yaml >"$WORK/otel-collector-bad.yaml"
+rejects "collector variant: the checker rejects a pipeline naming an undefined exporter" \
+  "$PY" deploy/check-otel-collector.py "$WORK/compose-otel.yml" --collector-config "$WORK/otel-collector-bad.yaml"
 sed 's/condition: service_completed_successfully/condition: service_completed/' docker-compose.yml >"$WORK/compose-bad.yml"
 rejects "compose: the schema check rejects an unknown depends_on condition" \
   check-jsonschema --builtin-schema vendor.compose-spec "$WORK/compose-bad.yml"
@@ -231,6 +244,8 @@ if [[ ! -x "$BIN_DIR/tributary" && -z "${CHECK_DEPLOY_NO_BUILD:-}" ]]; then
 fi
 check "config: k8s ConfigMap and compose environments accepted by tributary check-config" \
   "$PY" deploy/check-config-env.py "$BIN_DIR/tributary" --rendered "$WORK/k8s.yaml" --compose docker-compose.yml
+check "config: the collector variant's gateway environment (docker-compose.otel.yml merged) accepted by tributary check-config" \
+  "$PY" deploy/check-config-env.py "$BIN_DIR/tributary" --rendered "$WORK/k8s.yaml" --compose "$WORK/compose-otel.yml"
 sed 's/TRIBUTARY_ADMISSION__MAX_WAIT:/TRIBUTARY_ADMISSION__MAXWAIT:/' "$WORK/k8s.yaml" >"$WORK/k8s-bad-key.yaml"
 rejects "config: tributary check-config rejects a misspelt TRIBUTARY_* key" \
   "$PY" deploy/check-config-env.py "$BIN_DIR/tributary" --rendered "$WORK/k8s-bad-key.yaml" --compose docker-compose.yml
