@@ -14,13 +14,13 @@ SERVER_CPUS="${BENCH_SERVER_CPUS:-0}"
 LOADGEN_CPUS="${BENCH_LOADGEN_CPUS:-1}"
 PG_URL_BASE="${BENCH_PG_URL_BASE:-postgres://postgres@127.0.0.1:5432}"
 # Free ports, chosen by the kernel, so that a run never talks to somebody else's server.
-read -r GATEWAY_PORT GATEWAY_OPS_PORT BENCH_SERVER_PORT SIM_PORT_LIST < <(python3 -c '
+read -r GATEWAY_PORT GATEWAY_OPS_PORT BENCH_SERVER_PORT OTLP_HTTP_PORT OTLP_GRPC_PORT SIM_PORT_LIST < <(python3 -c '
 import socket
-socks = [socket.socket() for _ in range(8)]
+socks = [socket.socket() for _ in range(10)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 ports = [s.getsockname()[1] for s in socks]
-print(ports[0], ports[1], ports[2], ",".join(map(str, ports[3:])))
+print(*ports[:5], ",".join(map(str, ports[5:])))
 ')
 IFS=, read -r -a SIM_PORTS <<<"$SIM_PORT_LIST"
 
@@ -282,6 +282,32 @@ bench_db_prepare() {
   bench_log "seeding $BENCH_USERS users x $BENCH_ORDERS_PER_USER orders into $BENCH_DB"
   (cd "$LOG_DIR" && env -u RUST_LOG -u TRIBUTARY_CONFIG DATABASE_URL="$DATABASE_URL_BENCH" TRIBUTARY_TELEMETRY__LOG_LEVEL=warn \
     "$tributary" seed --users "$BENCH_USERS" --orders-per-user "$BENCH_ORDERS_PER_USER" >"$LOG_DIR/seed.log" 2>&1)
+}
+
+# bench_start_otlp_receiver : a real OTLP receiver for the gateway's export, rotel (the same pinned
+# collector as the observability check, .ci/requirements-otel.txt, installed into the virtualenv
+# on first use) with the blackhole exporter: it decodes every request and drops it. On the
+# load-generator core, so that what it costs is not charged to the gateway. Sets OTLP_PID and
+# OTLP_ENDPOINT (the base URL: /v1/metrics and /v1/traces are appended).
+bench_start_otlp_receiver() {
+  local venv rotel i code
+  venv="$("$REPO_DIR/scripts/venv.sh" "$REPO_DIR/.ci/requirements-otel.txt")"
+  rotel="$("$venv/bin/python" -c 'import pathlib, rotel; print(pathlib.Path(rotel.__file__).parent / "rotel-agent")')"
+  bench_start otlp-receiver "$LOADGEN_CPUS" env NO_COLOR=1 "$rotel" start \
+    --otlp-http-endpoint "127.0.0.1:$OTLP_HTTP_PORT" --otlp-grpc-endpoint "127.0.0.1:$OTLP_GRPC_PORT" \
+    --pid-file "$LOG_DIR/rotel.pid" --exporter blackhole
+  OTLP_PID=$BENCH_LAST_PID
+  OTLP_ENDPOINT="http://127.0.0.1:$OTLP_HTTP_PORT"
+  # Ready when an empty export request (a valid, empty protobuf message) is accepted.
+  for i in $(seq 1 300); do
+    bench_alive "$OTLP_PID" || { bench_log "the OTLP receiver exited; log: $LOG_DIR/otlp-receiver.log"; return 1; }
+    code="$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 -X POST -H 'content-type: application/x-protobuf' \
+      --data-binary '' "$OTLP_ENDPOINT/v1/metrics")"
+    [[ "$code" == 200 ]] && { bench_log "OTLP receiver ($("$rotel" --version 2>&1 | head -n 1)) on $OTLP_ENDPOINT"; return 0; }
+    sleep 0.1
+  done
+  bench_log "timed out waiting for the OTLP receiver on $OTLP_ENDPOINT"
+  return 1
 }
 
 # bench_start_sims LATENCY : one simulator per downstream (ports SIM_PORTS), all on core 1,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -391,8 +392,9 @@ def calls_table(rows: list[dict], x_name: str) -> list[str]:
 def baseline_comparison(rows: list[dict], runs: list[dict]) -> list[str]:
     """Each variant against the `uninstrumented` baseline at the same x, when there is one: the ratio
     of the medians, and the median of the per-repetition ratios (repetitions alternate the variants,
-    so repetition i of each was measured minutes apart: pairing them cancels slow drift)."""
-    base_name = "uninstrumented"
+    so repetition i of each was measured minutes apart: pairing them cancels slow drift).
+    BENCH_BASELINE_VARIANT names another baseline (a scenario run with a subset of its variants)."""
+    base_name = os.environ.get("BENCH_BASELINE_VARIANT") or "uninstrumented"
     if not any(r["variant"] == base_name for r in rows):
         return []
     def cpu(run):
