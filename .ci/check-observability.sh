@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Observability check: the repository's Prometheus config, alert rules, Grafana dashboards and
 # prometheus-adapter rules, validated statically and then against a real Prometheus scraping a
-# real gateway under traffic.
+# real gateway under traffic; and the same gateway's OTLP export (traces and metrics) received by a
+# real OpenTelemetry collector.
 #
 #   bash .ci/check-observability.sh            # BIN_DIR=target/debug by default
 #   BIN_DIR=target/release bash .ci/check-observability.sh
 #
 # Steps (one PASS/FAIL line each, summary at the end, exit 1 if anything failed):
-#   1. install what a fresh machine lacks: prometheus (promtool) and wrk with apt-get, PyYAML into
-#      the virtualenv target/venv (scripts/venv.sh), npm ci in grafana/schema-check;
+#   1. install what a fresh machine lacks: prometheus (promtool) and wrk with apt-get, PyYAML and
+#      rotel (a collector, .ci/requirements-otel.txt) into the virtualenv target/venv
+#      (scripts/venv.sh), npm ci in grafana/schema-check;
 #   2. promtool check config / check rules / test rules; the @grafana/schema type check of every
 #      dashboard; prometheus/check_queries.py static (panel hygiene, PromQL syntax of every
 #      dashboard query, compose mounts);
@@ -18,14 +20,20 @@
 #      admission limit, a tiny pool, rate limiting with an unreachable Redis and a low long-poll
 #      threshold, and one downstream not listening at all, so that shedding, degradation, timeouts,
 #      errors, retries, an open circuit, 429s, Redis fallbacks and long polls all happen; Prometheus with a copy of prometheus/prometheus.yml
-#      scraping the gateway every second;
+#      scraping the gateway every second; rotel as an OTLP/HTTP receiver, to which the gateway
+#      exports spans and (every second) metrics through the standard OTEL_* variables alone;
 #   4. bounded traffic (wrk plus curl loops: dashboards, order POSTs with Idempotency-Key, order
 #      GETs, bad requests, 404s);
 #   5. through Prometheus' HTTP API: the target is up, and every dashboard query, every recording
 #      and alerting rule and every prometheus-adapter rule parses and returns data
 #      (prometheus/check_queries.py live); every metric those queries name is in the live scrape;
 #   6. `promtool check metrics` on a live scrape of /metrics (on the operations port; the API port
-#      must not serve it).
+#      must not serve it);
+#   7. what rotel received (recorded by the Python processor .ci/otlp_capture.py, as JSON lines):
+#      spans with the configured service name and resource attribute, a server span per dashboard
+#      request with a client span (a downstream call) as its child in the same trace; metrics with
+#      the same resource, among them the HTTP server duration histogram (unit s) and the
+#      downstream and database instruments.
 #
 # Everything it starts is killed on exit (trap) and its database dropped; the whole run is bounded
 # by OBS_CHECK_TIMEOUT seconds (default 600). Its work directory (logs, Prometheus' TSDB) is removed
@@ -58,7 +66,7 @@ cleanup() {
   else
     if [[ $rc -ne 0 ]]; then
       local f
-      for f in "$OBS_WORK"/{gateway,sim-ok,sim-slow,sim-flaky,prometheus,wrk}.log; do
+      for f in "$OBS_WORK"/{gateway,sim-ok,sim-slow,sim-flaky,prometheus,rotel,wrk}.log; do
         [[ -e $f ]] || continue
         echo "---- last lines of $(basename "$f")"
         tail -n 25 "$f" || :
@@ -120,15 +128,22 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! c
     { cat "$OBS_WORK/apt.log"; die "apt-get install prometheus wrk"; }
 fi
 # PyYAML for check_queries.py, from the virtualenv under the build directory (not the system Python).
-VENV=$(scripts/venv.sh prometheus/requirements.txt) || die "scripts/venv.sh prometheus/requirements.txt"
+VENV=$(scripts/venv.sh prometheus/requirements.txt .ci/requirements-otel.txt) ||
+  die "scripts/venv.sh prometheus/requirements.txt .ci/requirements-otel.txt"
 export PATH="$VENV/bin:$PATH"
+# The wheel has no entry point for the binary: it sits in the package's folder.
+ROTEL=$(python3 -c 'import pathlib, rotel; print(pathlib.Path(rotel.__file__).parent / "rotel-agent")') ||
+  die "rotel is not importable from $VENV"
+[[ -x $ROTEL ]] || die "no rotel-agent binary at $ROTEL"
 (cd grafana/schema-check && timeout 300 npm ci --no-audit --no-fund --loglevel=error >"$OBS_WORK/npm.log" 2>&1) ||
   { cat "$OBS_WORK/npm.log"; die "npm ci in grafana/schema-check"; }
-echo "    $(prometheus --version 2>&1 | head -n 1); $(wrk --version 2>&1 | head -n 1 | cut -c1-40)"
+echo "    $(prometheus --version 2>&1 | head -n 1); $(wrk --version 2>&1 | head -n 1 | cut -c1-40); $("$ROTEL" --version 2>&1 | head -n 1)"
 
 # ---------------------------------------------------------------------------
 log "2. static checks"
 check "promtool check config prometheus/prometheus.yml" promtool check config prometheus/prometheus.yml
+check "promtool check config prometheus/prometheus-otel.yml (the compose collector variant)" \
+  promtool check config prometheus/prometheus-otel.yml
 check "promtool check rules prometheus/alerts.yml" promtool check rules prometheus/alerts.yml
 check "promtool test rules prometheus/alerts_test.yml (a firing and a silent case per alert)" \
   promtool test rules prometheus/alerts_test.yml
@@ -160,6 +175,8 @@ SIM_FLAKY=$(free_port)
 GATEWAY=$(free_port)
 OPS=$(free_port) # the gateway's operations listener: /metrics
 PROM=$(free_port)
+OTLP_HTTP=$(free_port)    # rotel's OTLP/HTTP receiver
+OTLP_GRPC=$(free_port)    # and its gRPC one, which nothing uses (its default port may be taken)
 REDIS_CLOSED=$(free_port) # nothing listens here: every Redis call fails and falls back
 SIM_DOWN=$(free_port)     # nor here: notifications is "down", its calls fail to connect and are retried
 
@@ -180,6 +197,28 @@ for port in "$SIM_OK" "$SIM_SLOW" "$SIM_FLAKY"; do
   wait_http "http://127.0.0.1:$port/healthz" 30 || die "downstream-sim on :$port did not become healthy"
 done
 pass "three downstream simulators answer /healthz"
+
+# A real collector for the gateway's OTLP export, started before the gateway so that the first
+# exports find it. Its Python processor writes what arrives to otlp-capture.jsonl (step 7); the
+# blackhole exporter drops it afterwards.
+OTLP_CAPTURE=$OBS_WORK/otlp-capture.jsonl
+OTLP_CAPTURE=$OTLP_CAPTURE NO_COLOR=1 "$ROTEL" start --otlp-http-endpoint "127.0.0.1:$OTLP_HTTP" \
+  --otlp-grpc-endpoint "127.0.0.1:$OTLP_GRPC" --pid-file "$OBS_WORK/rotel.pid" --exporter blackhole \
+  --otlp-with-trace-processor .ci/otlp_capture.py --otlp-with-metrics-processor .ci/otlp_capture.py \
+  >"$OBS_WORK/rotel.log" 2>&1 &
+ROTEL_PID=$!
+PIDS+=("$ROTEL_PID")
+# Ready when an empty export request (a valid, empty protobuf message) is accepted.
+rotel_deadline=$((SECONDS + 30))
+until [[ $(curl -s -o /dev/null -w '%{http_code}' --max-time 2 -X POST -H 'content-type: application/x-protobuf' \
+  --data-binary '' "http://127.0.0.1:$OTLP_HTTP/v1/traces") == 200 ]]; do
+  if ! kill -0 "$ROTEL_PID" 2>/dev/null || ((SECONDS >= rotel_deadline)); then
+    tail -n 30 "$OBS_WORK/rotel.log" | sed 's/^/      /'
+    die "rotel did not accept OTLP/HTTP on :$OTLP_HTTP"
+  fi
+  sleep 0.2
+done
+pass "rotel ($("$ROTEL" --version 2>&1 | head -n 1)) accepts OTLP/HTTP on :$OTLP_HTTP"
 
 # Grey releases: carts gets a canary on the flaky simulator for half of the users, judged every
 # second, so the variant series, the canary-against-stable rules and the rollback alert have data.
@@ -240,6 +279,13 @@ grey_config 1000000000
   # Low enough that a debug build under load records long polls.
   export TRIBUTARY_TELEMETRY__LONG_POLL_THRESHOLD=500us
   export TRIBUTARY_TELEMETRY__LOG_FORMAT=json
+  # OTLP export of both signals, configured the way an OpenTelemetry deployment does it: only
+  # the standard variables, no tributary key. Metrics every second, so that a short run has
+  # several exports.
+  export OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:$OTLP_HTTP
+  export OTEL_SERVICE_NAME=tributary-obs-check
+  export OTEL_RESOURCE_ATTRIBUTES=deployment.environment.name=obs-check
+  export OTEL_METRIC_EXPORT_INTERVAL=1000
   exec "$BIN_DIR/tributary" serve
 ) >"$OBS_WORK/gateway.log" 2>&1 &
 GATEWAY_PID=$!
@@ -373,6 +419,27 @@ check "every dashboard, rule and adapter query returns data; every metric they n
 # ---------------------------------------------------------------------------
 log "6. promtool check metrics on a live scrape"
 check "promtool check metrics on GET /metrics" promtool check metrics <"$OBS_WORK/metrics.txt"
+
+# ---------------------------------------------------------------------------
+log "7. what the real collector received (rotel)"
+# otlp_check NAME SIGNAL ARGS...: poll the capture (bounded), PASS/FAIL; on FAIL, rotel's log tail.
+otlp_check() {
+  local name=$1 failed_before=$FAILED
+  shift
+  check "$name" python3 .ci/otlp_capture.py "$@" "$OTLP_CAPTURE" --service tributary-obs-check \
+    --attribute deployment.environment.name=obs-check --deadline 30
+  if ((FAILED > failed_before)); then
+    echo "      ---- last lines of rotel.log"
+    tail -n 25 "$OBS_WORK/rotel.log" | sed 's/^/      /'
+  fi
+}
+otlp_check "rotel received the gateway's spans: its service name and resource, a dashboard server span with a downstream client span as its child" \
+  traces
+otlp_check "rotel received the gateway's metrics: its service name and resource, http.server.request.duration (histogram, s), the request counter, the downstream and pool instruments" \
+  metrics --metric http.server.request.duration:s:histogram --metric 'http.server.active_requests:{request}:sum' \
+  --metric tributary_http_requests::sum --metric tributary_downstream_request_duration:s:histogram \
+  --metric tributary_db_pool_acquire_wait:s:histogram
+if kill -0 "$ROTEL_PID" 2>/dev/null; then pass "rotel still running after the checks"; else fail "rotel exited during the run"; fi
 
 if kill -0 "$GATEWAY_PID" 2>/dev/null; then
   pass "gateway still running after the checks"

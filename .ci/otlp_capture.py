@@ -135,13 +135,17 @@ def check_traces(args) -> tuple[bool, str]:
     servers = {(s["trace_id"], s["span_id"]): s for s in spans if s["kind"] == "server"}
     routed = [s for s in servers.values() if s["name"].startswith(args.server_span_prefix)]
     children = [
-        s for s in spans if s["kind"] == "client" and (s["trace_id"], s["parent_span_id"]) in servers
+        s
+        for s in spans
+        if s["kind"] == "client"
+        and s["name"].startswith(args.client_span_prefix)
+        and (s["trace_id"], s["parent_span_id"]) in servers
     ]
     total = sum(r.get("count", 0) for r in records)
     detail = (
         f"{len(records)} batches, {total} spans; with the expected resource: {len(spans)} spans, "
         f"{len(servers)} server spans, {len(routed)} named '{args.server_span_prefix}...', "
-        f"{len(children)} client spans whose parent is a server span of their trace"
+        f"{len(children)} client spans named '{args.client_span_prefix}...' whose parent is a server span of their trace"
     )
     if routed:
         detail += f"; e.g. {routed[0]['name']!r}"
@@ -180,6 +184,7 @@ def main() -> int:
     ap.add_argument("--service", required=True, help="the expected resource service.name")
     ap.add_argument("--attribute", action="append", default=[], help="another resource attribute, k=v")
     ap.add_argument("--server-span-prefix", default="GET /api/v1/dashboard/")
+    ap.add_argument("--client-span-prefix", default="GET /", help="a downstream call's span (not a query's)")
     ap.add_argument(
         "--metric", action="append", default=[], help="NAME[:UNIT[:TYPE]] that must have arrived"
     )
