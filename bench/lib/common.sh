@@ -302,7 +302,7 @@ bench_start_otlp_receiver() {
   for i in $(seq 1 300); do
     bench_alive "$OTLP_PID" || { bench_log "the OTLP receiver exited; log: $LOG_DIR/otlp-receiver.log"; return 1; }
     code="$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 -X POST -H 'content-type: application/x-protobuf' \
-      --data-binary '' "$OTLP_ENDPOINT/v1/metrics")"
+      --data-binary '' "$OTLP_ENDPOINT/v1/metrics" || true)"
     [[ "$code" == 200 ]] && { bench_log "OTLP receiver ($("$rotel" --version 2>&1 | head -n 1)) on $OTLP_ENDPOINT"; return 0; }
     sleep 0.1
   done
