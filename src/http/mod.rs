@@ -17,6 +17,11 @@ pub mod openapi;
 mod orders;
 pub(crate) mod pushback;
 
+/// A hidden seam for the micro-benchmarks in `benches/` (the handlers are crate-private): the
+/// dashboard's merge and serialisation. Not an API.
+#[doc(hidden)]
+pub use dashboard::dashboard_response;
+
 use std::sync::{Arc, atomic::AtomicBool};
 
 use axum::{Router, extract::DefaultBodyLimit, middleware::from_fn_with_state, routing::get};
