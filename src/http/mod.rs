@@ -17,10 +17,13 @@ pub mod openapi;
 mod orders;
 pub(crate) mod pushback;
 
-/// A hidden seam for the micro-benchmarks in `benches/` (the handlers are crate-private): the
-/// dashboard's merge and serialisation. Not an API.
+/// Hidden seams for the micro-benchmarks in `benches/` (the handlers and the request layers are
+/// crate-private): the dashboard's merge and serialisation, the request span and the access
+/// line. Not an API.
 #[doc(hidden)]
 pub use dashboard::dashboard_response;
+#[doc(hidden)]
+pub use middleware::{access_line, request_span};
 
 use std::sync::{Arc, atomic::AtomicBool};
 
