@@ -9,15 +9,16 @@
 #   make check-api                 schemathesis against a live gateway (.ci/check-api.sh)
 #   make ci                        the whole CI (.ci/run): installs what is missing, runs every check
 #   make bench SCENARIO=sweep      one benchmark scenario (release build; needs a quiet machine)
+#   make bench-micro               the hot path's micro-benchmarks (benches/hot_path; about a minute)
 
 # The test suite creates and drops its own databases on this server.
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/postgres
 SCENARIO ?=
 
-.PHONY: help dev test lint fmt openapi check-api ci bench
+.PHONY: help dev test lint fmt openapi check-api ci bench bench-micro
 
 help:
-	@sed -n '3,11s/^# \{0,1\}//p' Makefile
+	@sed -n '3,12s/^# \{0,1\}//p' Makefile
 
 dev:
 	@bash scripts/dev.sh
@@ -47,3 +48,6 @@ bench:
 	@test -n "$(SCENARIO)" || { echo "make bench: name a scenario, e.g. make bench SCENARIO=seed-baseline"; bench/run list; exit 2; }
 	cargo build --release --locked --bins --examples
 	bench/run $(SCENARIO)
+
+bench-micro:
+	cargo bench --locked --bench hot_path

@@ -256,7 +256,11 @@ async fn serve(
         }
         _ => {}
     }
-    tokio::time::sleep(delay).await;
+    // Not even a zero sleep: tokio's timer rounds a deadline up to its next millisecond tick,
+    // so `latency = 0` would still answer up to a millisecond late.
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
     if !b.cpu_work.is_zero() {
         let work = b.cpu_work;
         let _ = tokio::task::spawn_blocking(move || burn(work)).await;
@@ -388,6 +392,24 @@ pub async fn spawn(addr: SocketAddr, default: Behaviour) -> std::io::Result<SimH
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// On a runtime without a timer a sleep panics: this answers only if no timer is armed.
+    #[test]
+    fn no_latency_answers_without_arming_a_timer() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let sim = Sim::new(Behaviour {
+            latency: Duration::ZERO,
+            ..Behaviour::default()
+        });
+        let response = rt.block_on(serve(
+            State(sim),
+            Path(("carts".into(), 7)),
+            HeaderMap::new(),
+        ));
+        assert_eq!(response.status(), StatusCode::OK);
+    }
 
     #[test]
     fn bodies_are_json_of_about_the_requested_size() {

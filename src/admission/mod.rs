@@ -437,6 +437,17 @@ impl Limiter {
         Decision::Wait
     }
 
+    /// [`Limiter::try_admit`] for the admission micro-benchmark in `benches/`, which cannot
+    /// name the crate-private [`Decision`]: the permit when admitted (dropping it releases
+    /// it), `None` when turned away or told to wait. Not an API.
+    #[doc(hidden)]
+    pub fn try_admit_for_bench(self: &Arc<Self>) -> Option<impl Sized + use<>> {
+        match self.try_admit() {
+            Decision::Admitted(permit) => Some(permit),
+            Decision::Rejected(_) | Decision::Wait => None,
+        }
+    }
+
     /// Waits at most `max_wait` for a permit, after [`Limiter::try_admit`] said so.
     pub(crate) async fn wait(self: &Arc<Self>) -> Result<Permit, Rejected> {
         let started = Instant::now();

@@ -17,7 +17,7 @@ use super::{Db, DbError, Statement};
 
 /// One line of the dashboard's `recent_orders`.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
-pub(crate) struct OrderSummary {
+pub struct OrderSummary {
     #[schema(minimum = 1)]
     pub id: i64,
     #[schema(schema_with = status_schema)]

@@ -483,6 +483,16 @@ impl Downstream {
         self.fetch(user_id).await.map(|f| f.body)
     }
 
+    /// [`Self::fetch_user_part`] with the error as its message: public (and hidden) only for
+    /// the downstream micro-benchmark in `benches/`, which cannot name the crate-private
+    /// [`CallError`]. Not an API.
+    #[doc(hidden)]
+    pub async fn fetch_user_part_for_bench(&self, user_id: i64) -> Result<Box<RawValue>, String> {
+        self.fetch_user_part(user_id)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
     /// [`Self::fetch_user_part`] with the service's caching directives.
     pub(crate) async fn fetch(&self, user_id: i64) -> Result<Fetched, CallError> {
         let span = tracing::info_span!(

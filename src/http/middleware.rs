@@ -28,7 +28,7 @@ use tracing::{Instrument, Span};
 use super::{AppState, edge::Arrival};
 use crate::{
     config::ServerSettings,
-    context::{self, RequestContext},
+    context::{self, RequestContext, TraceIds},
     downstream::BUDGET_HEADER,
     error::{ApiError, chain},
     telemetry::{self, ActiveGuard, PollTimer, Telemetry},
@@ -111,19 +111,12 @@ pub(super) async fn request_context(
     // later `record` costs the log layer a re-serialisation of the span's fields.
     let otel = telemetry::otel_active();
     let local_trace = (!otel).then(|| telemetry::local_trace_ids(incoming_trace.as_ref(), headers));
-    let span = tracing::info_span!(
-        telemetry::REQUEST_SPAN,
-        otel.name = tracing::field::Empty,
-        otel.kind = "server",
-        otel.status_code = tracing::field::Empty,
-        http.request.method = %method,
-        http.route = %route,
-        url.path = %request.uri().path(),
-        http.response.status_code = tracing::field::Empty,
-        request_id = %request_id,
-        trace_id = local_trace.as_ref().map(|t| t.trace_id.as_str()),
-        span_id = local_trace.as_ref().map(|t| t.span_id.as_str()),
-        user_id = tracing::field::Empty,
+    let span = request_span(
+        method,
+        route,
+        request.uri().path(),
+        &request_id,
+        local_trace.as_ref(),
     );
     let trace = match local_trace {
         Some(trace) => trace,
@@ -153,6 +146,72 @@ pub(super) async fn request_context(
         response.headers_mut().insert(REQUEST_ID, v);
     }
     response
+}
+
+/// The one span per request, with the fields every log line of the request carries; the trace
+/// ids go in now when they are known (no span export), and the response's fields are recorded
+/// later. Public (and hidden) for the access-log micro-benchmark in `benches/`, with
+/// [`access_line`]: the request layers are crate-private.
+#[doc(hidden)]
+pub fn request_span(
+    method: &Method,
+    route: &str,
+    path: &str,
+    request_id: &str,
+    local_trace: Option<&TraceIds>,
+) -> Span {
+    tracing::info_span!(
+        telemetry::REQUEST_SPAN,
+        otel.name = tracing::field::Empty,
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        http.request.method = %method,
+        http.route = %route,
+        url.path = %path,
+        http.response.status_code = tracing::field::Empty,
+        request_id = %request_id,
+        trace_id = local_trace.map(|t| t.trace_id.as_str()),
+        span_id = local_trace.map(|t| t.span_id.as_str()),
+        user_id = tracing::field::Empty,
+    )
+}
+
+/// The request's one access line, written inside its span (the caller enters it): abandoned,
+/// a probe's (at DEBUG), or completed with its status and the error it was answered from.
+#[doc(hidden)]
+pub fn access_line(
+    status: u16,
+    route: &str,
+    user_id: Option<i64>,
+    variants: Option<&str>,
+    latency_ms: f64,
+    error: Option<&dyn std::fmt::Display>,
+) {
+    let error = error.map(tracing::field::display);
+    if status == CLIENT_CLOSED_REQUEST {
+        tracing::info!(
+            status,
+            route,
+            user_id,
+            variants,
+            latency_ms,
+            "request abandoned by the client"
+        );
+    } else if PROBES.contains(&route) {
+        // A probe every few seconds from every load balancer and kubelet would be most of
+        // the log; its answers are in the RED metrics.
+        tracing::debug!(status, route, latency_ms, error, "request completed");
+    } else {
+        tracing::info!(
+            status,
+            route,
+            user_id,
+            variants,
+            latency_ms,
+            error,
+            "request completed"
+        );
+    }
 }
 
 /// RED metrics, the access line and the error log, written once per request by a guard; runs
@@ -228,31 +287,14 @@ impl Drop for Finish<'_> {
             // The one place a server-side error's cause is logged; the client never sees it.
             tracing::error!(status, error = %chain(error), "request failed");
         }
-        let error = error.map(tracing::field::display);
-        if status == CLIENT_CLOSED_REQUEST {
-            tracing::info!(
-                status,
-                route,
-                user_id,
-                variants,
-                latency_ms,
-                "request abandoned by the client"
-            );
-        } else if PROBES.contains(&route) {
-            // A probe every few seconds from every load balancer and kubelet would be most of
-            // the log; its answers are in the RED metrics.
-            tracing::debug!(status, route, latency_ms, error, "request completed");
-        } else {
-            tracing::info!(
-                status,
-                route,
-                user_id,
-                variants,
-                latency_ms,
-                error,
-                "request completed"
-            );
-        }
+        access_line(
+            status,
+            route,
+            user_id,
+            variants,
+            latency_ms,
+            error.as_deref().map(|e| e as &dyn std::fmt::Display),
+        );
     }
 }
 

@@ -17,6 +17,14 @@ pub mod openapi;
 mod orders;
 pub(crate) mod pushback;
 
+/// Hidden seams for the micro-benchmarks in `benches/` (the handlers and the request layers are
+/// crate-private): the dashboard's merge and serialisation, the request span and the access
+/// line. Not an API.
+#[doc(hidden)]
+pub use dashboard::dashboard_response;
+#[doc(hidden)]
+pub use middleware::{access_line, request_span};
+
 use std::sync::{Arc, atomic::AtomicBool};
 
 use axum::{Router, extract::DefaultBodyLimit, middleware::from_fn_with_state, routing::get};
