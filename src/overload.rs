@@ -19,6 +19,14 @@
 //! A window is **saturated** when that minimum is above `overload.queue_delay_target` and the
 //! workers were busy for at least 90 % of it (a queue with idle workers is not CPU overload).
 //!
+//! The core is not the only queue an admitted request can wait in. [`StandingQueue`] judges
+//! a queue inside the gateway (the database pool's) the same way: over each control window,
+//! was *every* wait that ended in it longer than the target? A pool that is merely busy hands
+//! some request a free connection at once; a pool with more requests admitted than it can
+//! serve makes them all wait, and admitting more only lengthens that wait until it eats the
+//! requests' deadlines (the lab's caching spike: the limit grew to 2,500 while 2,400 requests
+//! waited for 20 connections, and most dashboards lost their orders part).
+//!
 //! Readers are cheap: a few relaxed atomic loads, no lock.
 
 use std::{
@@ -26,7 +34,7 @@ use std::{
     pin::Pin,
     sync::{
         Arc, Weak,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
         mpsc,
     },
     task::{Context, Poll},
@@ -159,6 +167,81 @@ impl QueueDelay {
         }
         s.last_window_nanos.store(now, Ordering::Relaxed);
         saturated
+    }
+}
+
+/// A queue inside the gateway that admitted requests wait in (the database pool's), judged like
+/// CoDel judges a link: **standing** over a window when every wait that ended in it was longer
+/// than the target, or when requests waited through the whole window and none got through.
+/// The waiter records its own waits ([`StandingQueue::enter`], [`StandingQueue::waited`]);
+/// the admission control loop closes a window every 100 ms ([`StandingQueue::close_window`])
+/// and treats a standing inner queue as it treats a saturated core.
+#[derive(Clone)]
+pub(crate) struct StandingQueue {
+    shared: Arc<QueueShared>,
+}
+
+struct QueueShared {
+    /// The shortest wait that ended in the current window (`u64::MAX`: none ended yet).
+    min_wait_nanos: AtomicU64,
+    /// Waiting right now, and at the last close.
+    waiting: AtomicUsize,
+    waiting_at_close: AtomicUsize,
+    gauge: Gauge,
+}
+
+impl StandingQueue {
+    /// A queue whose state is published in `gauge` (1 while standing).
+    pub(crate) fn new(gauge: Gauge) -> Self {
+        gauge.set(0.0);
+        Self {
+            shared: Arc::new(QueueShared {
+                min_wait_nanos: AtomicU64::new(u64::MAX),
+                waiting: AtomicUsize::new(0),
+                waiting_at_close: AtomicUsize::new(0),
+                gauge,
+            }),
+        }
+    }
+
+    /// Counts one waiter until the guard is dropped (also when its wait is cancelled).
+    pub(crate) fn enter(&self) -> Waiting<'_> {
+        self.shared.waiting.fetch_add(1, Ordering::Relaxed);
+        Waiting(&self.shared)
+    }
+
+    /// A wait ended after `wait` (got through, or gave up).
+    pub(crate) fn waited(&self, wait: Duration) {
+        let nanos = u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX - 1);
+        self.shared
+            .min_wait_nanos
+            .fetch_min(nanos, Ordering::Relaxed);
+    }
+
+    /// Ends the current window: whether the queue stood over it (also published in the gauge).
+    pub(crate) fn close_window(&self, target: Duration) -> bool {
+        let s = &self.shared;
+        let min = s.min_wait_nanos.swap(u64::MAX, Ordering::Relaxed);
+        let waiting = s.waiting.load(Ordering::Relaxed);
+        let waited_through = s.waiting_at_close.swap(waiting, Ordering::Relaxed) > 0;
+        let standing = if min == u64::MAX {
+            // Nobody got through: standing only if someone has been waiting since the last
+            // close (a request that joined a moment ago says nothing yet).
+            waiting > 0 && waited_through
+        } else {
+            min > target.as_nanos() as u64
+        };
+        s.gauge.set(if standing { 1.0 } else { 0.0 });
+        standing
+    }
+}
+
+/// One waiter in a [`StandingQueue`].
+pub(crate) struct Waiting<'a>(&'a QueueShared);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -335,6 +418,41 @@ mod tests {
         assert!(!q.fired_late(due));
         tokio::time::advance(Duration::from_millis(10)).await;
         assert!(q.fired_late(due));
+    }
+
+    #[test]
+    fn an_inner_queue_stands_only_when_every_wait_in_the_window_was_over_target() {
+        let q = StandingQueue::new(metrics::gauge!("test_inner_queue_standing"));
+        assert!(!q.close_window(TARGET), "nothing happened");
+        // A busy pool: most waits long, but one request found a free connection at once.
+        q.waited(Duration::from_millis(40));
+        q.waited(Duration::from_micros(30));
+        q.waited(Duration::from_millis(90));
+        assert!(!q.close_window(TARGET), "one short wait: the queue drains");
+        q.waited(Duration::from_millis(40));
+        q.waited(Duration::from_millis(6));
+        assert!(q.close_window(TARGET), "every wait over the target");
+        q.waited(Duration::from_millis(1));
+        assert!(
+            !q.close_window(TARGET),
+            "the next window with a short wait ends it"
+        );
+    }
+
+    #[test]
+    fn an_inner_queue_where_nobody_gets_through_stands_once_someone_waited_a_whole_window() {
+        let q = StandingQueue::new(metrics::gauge!("test_inner_queue_stuck"));
+        let first = q.enter();
+        assert!(
+            !q.close_window(TARGET),
+            "a waiter that just joined says nothing yet"
+        );
+        assert!(
+            q.close_window(TARGET),
+            "still waiting a window later, and nobody got through"
+        );
+        drop(first);
+        assert!(!q.close_window(TARGET), "the waiter left: nothing stands");
     }
 
     /// The probe itself, on a real one-worker runtime whose worker is taken by a task that

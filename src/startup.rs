@@ -113,10 +113,16 @@ impl Application {
             Arc::clone(&downstreams),
             queue_delay.clone(),
         )?);
-        let admission = settings
-            .admission
-            .enabled
-            .then(|| Admission::new(&settings, &queue_delay, tasks.clone()));
+        let admission = settings.admission.enabled.then(|| {
+            // The core's queue and the database pool's: the limit follows whichever
+            // admitted requests stand in line for.
+            let inner = if settings.overload.follow_db_pool {
+                vec![db.queue().clone()]
+            } else {
+                Vec::new()
+            };
+            Admission::new(&settings, &queue_delay, inner, tasks.clone())
+        });
         let rate_limiter = if settings.rate_limit.enabled {
             Some(Arc::new(
                 RateLimiter::new(&settings.rate_limit, tasks.clone()).await?,

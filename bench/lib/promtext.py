@@ -192,6 +192,7 @@ SAMPLED_GAUGES = {
     ("tributary_db_pool_connections", ("state", "in_use")): "pool_in_use",
     ("tributary_db_pool_connections", ("state", "idle")): "pool_idle",
     ("tributary_db_pool_waiters", None): "pool_waiters",
+    ("tributary_db_pool_queue_standing", None): "pool_queue_standing",
     ("http_server_active_requests", None): "active_requests",
     ("tributary_admission_permits_in_use", None): "admission_permits_in_use",
     ("process_resident_memory_bytes", None): "rss_bytes",

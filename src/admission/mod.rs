@@ -49,7 +49,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::{AdmissionMode, RouteGroup, Settings},
-    overload::QueueDelay,
+    overload::{QueueDelay, StandingQueue},
     telemetry::Family,
 };
 use limit::{Gradient2, Interval, QueueDelayLimit};
@@ -71,6 +71,11 @@ pub struct Admission {
     /// One per route group, indexed by it.
     limiters: [Arc<Limiter>; 2],
     shedding: Arc<AtomicBool>,
+    /// Queues inside the gateway that admitted requests wait in (the database pool's): while
+    /// one stands, the adaptive limit treats it as it treats a saturated core.
+    inner: Vec<StandingQueue>,
+    /// The target both are judged against (`overload.queue_delay_target`).
+    target: Duration,
 }
 
 impl Admission {
@@ -80,15 +85,20 @@ impl Admission {
     pub(crate) fn new(
         settings: &Settings,
         queue_delay: &QueueDelay,
+        inner: Vec<StandingQueue>,
         shutdown: CancellationToken,
     ) -> Arc<Self> {
-        let this = Self::build(settings, queue_delay);
+        let this = Self::build(settings, queue_delay, inner);
         let hysteresis = Hysteresis::new(settings);
         tokio::spawn(control(Arc::clone(&this), hysteresis, shutdown));
         this
     }
 
-    fn build(settings: &Settings, queue_delay: &QueueDelay) -> Arc<Self> {
+    fn build(
+        settings: &Settings,
+        queue_delay: &QueueDelay,
+        inner: Vec<StandingQueue>,
+    ) -> Arc<Self> {
         metrics::gauge!(SHEDDING.name).set(0.0);
         let limiters = RouteGroup::ALL.map(|group| {
             let (limit, max_wait) = settings.admission_for(group);
@@ -111,6 +121,8 @@ impl Admission {
         Arc::new(Self {
             limiters,
             shedding: Arc::new(AtomicBool::new(false)),
+            inner,
+            target: queue_delay.target(),
         })
     }
 
@@ -192,8 +204,13 @@ async fn control(
             _ = tick.tick() => {}
         }
         let now = Instant::now();
+        // Every queue's window is closed, not just the first standing one.
+        let inner_standing = admission
+            .inner
+            .iter()
+            .fold(false, |any, q| q.close_window(admission.target) | any);
         for l in &admission.limiters {
-            l.end_interval(now);
+            l.end_interval(now, inner_standing);
         }
         ticks += 1;
         if ticks < TICKS_PER_SECOND {
@@ -516,8 +533,9 @@ impl Limiter {
         Duration::from_secs_f64((secs * spread).clamp(1.0, 30.0))
     }
 
-    /// Closes one control interval: whether the wait queue can drain, and the adaptive limit.
-    fn end_interval(&self, now: Instant) {
+    /// Closes one control interval: whether the wait queue can drain, and the adaptive limit
+    /// (`inner_standing`: an inner queue, such as the database pool's, stood over it).
+    fn end_interval(&self, now: Instant, inner_standing: bool) {
         let in_flight = self.in_flight();
         let peak = self.peak_in_flight.swap(in_flight, Ordering::Relaxed);
         let limited = self.limited.swap(false, Ordering::Relaxed);
@@ -536,7 +554,7 @@ impl Limiter {
         drop(rate);
         if let Controller::QueueDelay(c) = &self.controller {
             let seen = Interval {
-                saturated: self.queue_delay.is_saturated(),
+                saturated: self.queue_delay.is_saturated() || inner_standing,
                 delay: self.queue_delay.current(),
                 peak_in_flight: peak,
                 limited,
@@ -672,7 +690,7 @@ mod tests {
         s.admission.adaptive.min_limit = std::num::NonZeroUsize::new(1).unwrap();
         s.admission.max_wait = max_wait;
         let q = QueueDelay::manual(TARGET);
-        let a = Admission::build(&s, &q);
+        let a = Admission::build(&s, &q, Vec::new());
         (a.limiter(RouteGroup::Dashboard), q)
     }
 
@@ -756,7 +774,7 @@ mod tests {
         // One permit returned per interval and max_wait two intervals: two are expected back
         // within max_wait, and half of that may be waited for (the second would be due at
         // max_wait itself, and any dip in the rate would time it out): one may wait.
-        l.end_interval(Instant::now());
+        l.end_interval(Instant::now(), false);
         let held = l.acquire().await.unwrap();
         let waiter = {
             let l = Arc::clone(&l);
@@ -815,14 +833,37 @@ mod tests {
             .map(Result::unwrap)
             .collect();
         q.observe_window(Duration::from_millis(50), 1.0);
-        l.end_interval(Instant::now());
+        l.end_interval(Instant::now(), false);
         assert_eq!(l.limit(), 90, "saturated with the limit in use: cut");
         drop(held);
         tokio::time::advance(Duration::from_secs(1)).await;
         q.observe_window(Duration::from_micros(100), 1.0);
         let held: Vec<_> = futures::future::join_all((0..91).map(|_| l.acquire())).await;
         assert!(held.iter().any(Result::is_err), "the limit turned one away");
-        l.end_interval(Instant::now());
+        l.end_interval(Instant::now(), false);
         assert_eq!(l.limit(), 99, "calm and limiting: grow");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_standing_inner_queue_shrinks_the_adaptive_limit_on_a_calm_core() {
+        let (l, q) = limiter(AdmissionMode::Adaptive, 100, Duration::ZERO);
+        let held: Vec<_> = futures::future::join_all((0..100).map(|_| l.acquire()))
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert!(
+            matches!(l.try_admit(), Decision::Rejected(_)),
+            "the limit turns the next one away"
+        );
+        // The core is calm: without the pool's signal the limit would grow (it limits).
+        q.observe_window(Duration::from_micros(100), 1.0);
+        l.end_interval(Instant::now(), true);
+        assert_eq!(
+            l.limit(),
+            90,
+            "everyone admitted waits for the pool: admitting more cannot help"
+        );
+        drop(held);
     }
 }

@@ -46,7 +46,7 @@ use sqlx::{
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::{config::DatabaseSettings, telemetry::Family};
+use crate::{config::DatabaseSettings, overload::StandingQueue, telemetry::Family};
 pub(crate) use health::DbState;
 use health::Health;
 
@@ -80,6 +80,9 @@ pub struct Db {
     /// For the health check's own connection, which tells "the pool is full" from "the
     /// database is down" (the pool's acquire hides a refused connect behind its timeout).
     options: PgConnectOptions,
+    /// Whether admitted requests stand in line for a connection: admission shrinks its limit
+    /// while they do (see [`crate::overload::StandingQueue`]).
+    queue: StandingQueue,
 }
 
 pub(crate) const POOL_CONNECTIONS: Family = Family::gauge(
@@ -111,9 +114,15 @@ pub(crate) const QUERY_DURATION: Family = Family::seconds(
     "Database statement latency by statement name.",
 );
 
+pub(crate) const POOL_QUEUE_STANDING: Family = Family::gauge(
+    "tributary_db_pool_queue_standing",
+    "1 while every wait for a pooled connection over the last 100 ms was longer than overload.queue_delay_target (more requests admitted than the pool serves; the adaptive admission limit shrinks), else 0.",
+);
+
 /// The families this module records.
 pub(crate) const FAMILIES: &[Family] = &[
     POOL_CONNECTIONS,
+    POOL_QUEUE_STANDING,
     POOL_MAX_CONNECTIONS,
     POOL_WAITERS,
     POOL_ACQUIRE_WAIT,
@@ -306,6 +315,7 @@ impl Db {
             metrics,
             health: Arc::new(Health::new()),
             options,
+            queue: StandingQueue::new(metrics::gauge!(POOL_QUEUE_STANDING.name)),
         };
         db.record_pool_gauges();
         Ok(db)
@@ -313,6 +323,11 @@ impl Db {
 
     pub(crate) fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// The pool's wait line, as the admission limit watches it.
+    pub(crate) fn queue(&self) -> &StandingQueue {
+        &self.queue
     }
 
     /// Applies pending migrations. A database that does not exist is a [`MissingDatabase`],
@@ -473,21 +488,26 @@ impl Db {
     ) -> Result<PoolConnection<sqlx::Postgres>, DbError> {
         let m = &self.metrics;
         let _waiting = WaiterGuard::new(m);
+        let _in_line = self.queue.enter();
         let started = Instant::now();
         let result = self.acquire_raw(deadline).await;
-        let elapsed = started.elapsed().as_secs_f64();
+        let waited = started.elapsed();
+        let elapsed = waited.as_secs_f64();
         match result {
             Ok((conn, opened)) => {
                 if opened {
+                    // Opening a connection is not waiting in line for one.
                     m.connect.record(elapsed);
                 } else {
                     m.acquire_wait.record(elapsed);
+                    self.queue.waited(waited);
                 }
                 Ok(conn)
             }
             Err(DbError::PoolTimedOut) => {
                 m.acquire_timeouts.increment(1);
                 m.acquire_wait.record(elapsed);
+                self.queue.waited(waited);
                 // A full pool, or a database that refuses connections (the pool retries a
                 // refused connect until its timeout): the probe tells which.
                 self.health.check_soon();

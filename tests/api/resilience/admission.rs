@@ -1,6 +1,6 @@
 //! Admission: bursts shed with 503 and `Retry-After`, memory stays bounded, disconnect storms
 //! leak nothing, readiness follows heavy shedding with hysteresis, the adaptive limit follows
-//! latency.
+//! latency and the database pool's line.
 
 use std::{
     sync::{
@@ -19,7 +19,7 @@ use tributary::{
 };
 
 use super::serial;
-use crate::helpers::{TestApp, eventually, metric_value, nz, spawn_app_with};
+use crate::helpers::{TestApp, eventually, metric_value, nz, nz32, spawn_app_with};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_ten_times_the_admission_limit_sheds_the_excess_with_503_and_retry_after() {
@@ -462,4 +462,72 @@ async fn the_adaptive_limit_goes_down_when_downstream_latency_rises_under_load()
         limiter.limit()
     );
     assert!(gauge_lowered, "tributary_admission_limit did not follow");
+}
+
+/// Ten clients against a gateway with one database connection, whose query waits behind a lock
+/// another client holds: the core is calm, and every admitted request stands in line for the
+/// pool. Returns the dashboard limit once it fell below its start (or after 6 s, if it never
+/// did), and whether the pool's standing gauge was seen at 1.
+async fn limit_while_requests_wait_for_the_pool(follow_db_pool: bool) -> (usize, bool) {
+    let app = spawn_app_with(|s| {
+        s.admission.mode = tributary::config::AdmissionMode::Adaptive;
+        s.admission.adaptive.initial_limit = 10;
+        s.admission.adaptive.min_limit = nz(2);
+        s.admission.adaptive.max_limit = 10;
+        s.overload.follow_db_pool = follow_db_pool;
+        s.database.max_connections = nz32(1);
+        s.server.request_deadline = Duration::from_millis(1500);
+    })
+    .await;
+    app.seed(1, 3).await;
+    let limiter = app
+        .state
+        .admission
+        .as_ref()
+        .unwrap()
+        .limiter(RouteGroup::Dashboard);
+    let mut locker = app.db.begin().await.unwrap();
+    sqlx::query("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = sustained_load(&app, 10, Arc::clone(&stop));
+    let lowered = eventually(Duration::from_secs(6), || async { limiter.limit() < 10 }).await;
+    let standing_seen = eventually(Duration::from_secs(if lowered { 3 } else { 1 }), || async {
+        metric_value(
+            &app.metrics().await,
+            "tributary_db_pool_queue_standing",
+            &[],
+        ) == Some(1.0)
+    })
+    .await;
+    let limit = limiter.limit();
+    stop.store(true, Ordering::Relaxed);
+    locker.rollback().await.unwrap();
+    load.await.unwrap();
+    (limit, standing_seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_adaptive_limit_shrinks_while_admitted_requests_stand_in_line_for_the_database_pool() {
+    let _serial = serial().await;
+    let (limit, standing) = limit_while_requests_wait_for_the_pool(true).await;
+    assert!(
+        limit < 10,
+        "every request waited for the one connection, yet the limit stayed at {limit}"
+    );
+    assert!(
+        standing,
+        "tributary_db_pool_queue_standing never showed the line"
+    );
+
+    // The same with overload.follow_db_pool = false: only the core's queue moves the limit, and
+    // the core is calm, so it stays where it started. This is what the limit did before the
+    // pool was watched.
+    let (blind, _) = limit_while_requests_wait_for_the_pool(false).await;
+    assert_eq!(
+        blind, 10,
+        "blind to the pool, a calm core must not move the limit"
+    );
 }
