@@ -34,6 +34,12 @@ def ensure_matplotlib():
     return plt
 
 
+def revision(machine):
+    """The commit the binaries were built from, marked when the work tree had changes."""
+    rev = machine.get("git_revision")
+    return f"{rev} with uncommitted changes" if machine.get("git_dirty") else f"{rev}"
+
+
 def dig(data, *path, default=None):
     for key in path:
         if not isinstance(data, dict) or key not in data:
@@ -276,7 +282,7 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
         f"- **Command:** `{command or first.get('command') or '?'}`",
         f"- **Machine:** {machine.get('nproc')} cores ({machine.get('cpu_model')}), {machine.get('mem_total_gib')} GiB, "
         f"kernel {machine.get('kernel')}, {machine.get('os')}; {machine.get('rustc')}; {machine.get('wrk')}; "
-        f"Postgres {machine.get('postgres')}; revision {machine.get('git_revision')}",
+        f"Postgres {machine.get('postgres')}; revision {revision(machine)}",
         f"- **Date:** {dates[0]} to {dates[-1]} (UTC); {len(runs)} runs; 1-min load average before a run: "
         f"median {statistics.median(loads):.2f}, max {max(loads):.2f}; runs that overlapped a compiler: {builds}; "
         f"runs flagged disturbed (other processes above the quiet threshold after the allowed retries): {disturbed}",

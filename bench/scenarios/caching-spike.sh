@@ -2,7 +2,7 @@
 # caching-spike: a closed loop that steps from a load the gateway carries to ten times its
 # connections and back, with the downstream caches off and on; goodput (full 200s) and the
 # downstream calls per second over time, from examples/loadgen.rs's per-second series and the
-# simulators' counters. Repetitions alternate the two variants.
+# simulators' counters. Repetitions alternate the three variants.
 # shellcheck source-path=SCRIPTDIR source=../lib/common.sh
 source "$(dirname "$0")/../lib/common.sh"
 bench_init caching-spike
@@ -41,6 +41,10 @@ for rep in $(seq 1 "$reps"); do
   bench_gateway_point uncached "$base" "$rep" "$duration" "$warmup" "$limit" "$basis" "${point_args[@]}"
   GATEWAY_SETTINGS=("${BENCH_CACHE_SETTINGS[@]}")
   bench_gateway_point cached "$base" "$rep" "$duration" "$warmup" "$limit" "$basis" "${point_args[@]}"
+  # The same with the admission limit blind to the database pool's line (only the core's
+  # queue moves it): what the spike did before overload.follow_db_pool.
+  GATEWAY_SETTINGS=("${BENCH_CACHE_SETTINGS[@]}" "TRIBUTARY_OVERLOAD__FOLLOW_DB_POOL=false")
+  bench_gateway_point cached-pool-blind "$base" "$rep" "$duration" "$warmup" "$limit" "$basis" "${point_args[@]}"
 done
 bench_stop_sims
 python3 "$BENCH_DIR/lib/spike.py" "$OUT_DIR" --about "$BENCH_DIR/scenarios/$SCENARIO.md" --command "$BENCH_COMMAND"

@@ -28,7 +28,11 @@ config_env() {
     reports) echo "TRIBUTARY_ADMISSION__MODE=static TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=2000 TRIBUTARY_ADMISSION__MAX_WAIT=100ms" ;;
     capacity) echo "TRIBUTARY_ADMISSION__MODE=static TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=$capacity_limit" ;;
     default) echo "" ;;
-    *) bench_log "unknown configuration $1 (none, reports, capacity, default)"; exit 2 ;;
+    # Experiments, not in the default plan (name them in BENCH_CONFIGS): the shipped defaults with
+    # the admission limit blind to the database pool's line, or with a 10 ms queueing-delay target.
+    pool-blind) echo "TRIBUTARY_OVERLOAD__FOLLOW_DB_POOL=false" ;;
+    target10) echo "TRIBUTARY_OVERLOAD__QUEUE_DELAY_TARGET=10ms" ;;
+    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10)"; exit 2 ;;
   esac
 }
 
