@@ -79,7 +79,10 @@ pub struct Db {
     health: Arc<Health>,
     /// For the health check's own connection, which tells "the pool is full" from "the
     /// database is down" (the pool's acquire hides a refused connect behind its timeout).
-    options: PgConnectOptions,
+    /// Behind an `Arc`: the application state, and this with it, is cloned for every request
+    /// (axum's `State` and `from_fn_with_state`), and a `PgConnectOptions` clone copies its
+    /// host, user, database and application name, four allocations each time.
+    options: Arc<PgConnectOptions>,
     /// Whether admitted requests stand in line for a connection: admission shrinks its limit
     /// while they do (see [`crate::overload::StandingQueue`]).
     queue: StandingQueue,
@@ -314,7 +317,7 @@ impl Db {
             pool,
             metrics,
             health: Arc::new(Health::new()),
-            options,
+            options: Arc::new(options),
             queue: StandingQueue::new(metrics::gauge!(POOL_QUEUE_STANDING.name)),
         };
         db.record_pool_gauges();
