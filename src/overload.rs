@@ -173,7 +173,8 @@ impl QueueDelay {
 /// A queue inside the gateway that admitted requests wait in (the database pool's), judged like
 /// CoDel judges a link: **standing** over a window when every wait that ended in it was longer
 /// than the target, or when requests waited through the whole window and none got through.
-/// The waiter records its own waits ([`StandingQueue::enter`], [`StandingQueue::waited`]);
+/// The waiter records its own waits ([`StandingQueue::enter`], [`StandingQueue::waited`]), and
+/// the queue publishes how many wait right now;
 /// the admission control loop closes a window every 100 ms ([`StandingQueue::close_window`])
 /// and treats a standing inner queue as it treats a saturated core.
 #[derive(Clone)]
@@ -187,26 +188,34 @@ struct QueueShared {
     /// Waiting right now, and at the last close.
     waiting: AtomicUsize,
     waiting_at_close: AtomicUsize,
-    gauge: Gauge,
+    /// 1 while standing.
+    standing: Gauge,
+    /// How many wait right now.
+    length: Gauge,
 }
 
 impl StandingQueue {
-    /// A queue whose state is published in `gauge` (1 while standing).
-    pub(crate) fn new(gauge: Gauge) -> Self {
-        gauge.set(0.0);
+    /// A queue whose state is published in `standing` (1 while standing) and its current
+    /// length in `length`.
+    pub(crate) fn new(standing: Gauge, length: Gauge) -> Self {
+        standing.set(0.0);
+        length.set(0.0);
         Self {
             shared: Arc::new(QueueShared {
                 min_wait_nanos: AtomicU64::new(u64::MAX),
                 waiting: AtomicUsize::new(0),
                 waiting_at_close: AtomicUsize::new(0),
-                gauge,
+                standing,
+                length,
             }),
         }
     }
 
-    /// Counts one waiter until the guard is dropped (also when its wait is cancelled).
+    /// Counts one waiter until the guard is dropped (also when its wait is cancelled, so the
+    /// count and its gauge never drift).
     pub(crate) fn enter(&self) -> Waiting<'_> {
-        self.shared.waiting.fetch_add(1, Ordering::Relaxed);
+        let n = self.shared.waiting.fetch_add(1, Ordering::Relaxed) + 1;
+        self.shared.length.set(n as f64);
         Waiting(&self.shared)
     }
 
@@ -231,7 +240,7 @@ impl StandingQueue {
         } else {
             min > target.as_nanos() as u64
         };
-        s.gauge.set(if standing { 1.0 } else { 0.0 });
+        s.standing.set(if standing { 1.0 } else { 0.0 });
         standing
     }
 }
@@ -241,7 +250,8 @@ pub(crate) struct Waiting<'a>(&'a QueueShared);
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+        let n = self.0.waiting.fetch_sub(1, Ordering::Relaxed) - 1;
+        self.0.length.set(n as f64);
     }
 }
 
@@ -422,7 +432,10 @@ mod tests {
 
     #[test]
     fn an_inner_queue_stands_only_when_every_wait_in_the_window_was_over_target() {
-        let q = StandingQueue::new(metrics::gauge!("test_inner_queue_standing"));
+        let q = StandingQueue::new(
+            metrics::gauge!("test_standing"),
+            metrics::gauge!("test_length"),
+        );
         assert!(!q.close_window(TARGET), "nothing happened");
         // A busy pool: most waits long, but one request found a free connection at once.
         q.waited(Duration::from_millis(40));
@@ -441,7 +454,10 @@ mod tests {
 
     #[test]
     fn an_inner_queue_where_nobody_gets_through_stands_once_someone_waited_a_whole_window() {
-        let q = StandingQueue::new(metrics::gauge!("test_inner_queue_stuck"));
+        let q = StandingQueue::new(
+            metrics::gauge!("test_stuck"),
+            metrics::gauge!("test_length"),
+        );
         let first = q.enter();
         assert!(
             !q.close_window(TARGET),

@@ -694,6 +694,15 @@ mod tests {
         (a.limiter(RouteGroup::Dashboard), q)
     }
 
+    /// Takes `n` permits at once; each must be granted.
+    async fn hold(l: &Arc<Limiter>, n: usize) -> Vec<Permit> {
+        futures::future::join_all((0..n).map(|_| l.acquire()))
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect()
+    }
+
     #[test]
     fn hysteresis_needs_sustained_heavy_then_sustained_light_shedding() {
         let mut s = Settings::default();
@@ -827,11 +836,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn the_adaptive_limit_shrinks_while_saturated_and_grows_when_it_limits_a_calm_runtime() {
         let (l, q) = limiter(AdmissionMode::Adaptive, 100, Duration::ZERO);
-        let held: Vec<_> = futures::future::join_all((0..100).map(|_| l.acquire()))
-            .await
-            .into_iter()
-            .map(Result::unwrap)
-            .collect();
+        let held = hold(&l, 100).await;
         q.observe_window(Duration::from_millis(50), 1.0);
         l.end_interval(Instant::now(), false);
         assert_eq!(l.limit(), 90, "saturated with the limit in use: cut");
@@ -847,11 +852,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_standing_inner_queue_shrinks_the_adaptive_limit_on_a_calm_core() {
         let (l, q) = limiter(AdmissionMode::Adaptive, 100, Duration::ZERO);
-        let held: Vec<_> = futures::future::join_all((0..100).map(|_| l.acquire()))
-            .await
-            .into_iter()
-            .map(Result::unwrap)
-            .collect();
+        let held = hold(&l, 100).await;
         assert!(
             matches!(l.try_admit(), Decision::Rejected(_)),
             "the limit turns the next one away"

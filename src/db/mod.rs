@@ -25,15 +25,7 @@ mod seed;
 #[doc(hidden)]
 pub use orders::OrderSummary;
 
-use std::{
-    cell::Cell,
-    str::FromStr,
-    sync::{
-        Arc,
-        atomic::{AtomicI64, Ordering},
-    },
-    time::Duration,
-};
+use std::{cell::Cell, str::FromStr, sync::Arc, time::Duration};
 
 use futures::FutureExt;
 use metrics::{Counter, Gauge, Histogram};
@@ -139,8 +131,6 @@ pub(crate) const FAMILIES: &[Family] = &[
 const POOL_SAMPLE_EVERY: Duration = Duration::from_secs(1);
 
 struct PoolMetrics {
-    waiters: AtomicI64,
-    waiters_gauge: Gauge,
     acquire_wait: Histogram,
     connect: Histogram,
     acquire_timeouts: Counter,
@@ -162,8 +152,6 @@ pub(crate) enum Statement {
 impl PoolMetrics {
     fn register(max_connections: u32) -> Self {
         let this = Self {
-            waiters: AtomicI64::new(0),
-            waiters_gauge: metrics::gauge!(POOL_WAITERS.name),
             acquire_wait: metrics::histogram!(POOL_ACQUIRE_WAIT.name),
             connect: metrics::histogram!(POOL_CONNECT_DURATION.name),
             acquire_timeouts: metrics::counter!(POOL_ACQUIRE_TIMEOUTS.name),
@@ -318,7 +306,10 @@ impl Db {
             metrics,
             health: Arc::new(Health::new()),
             options: Arc::new(options),
-            queue: StandingQueue::new(metrics::gauge!(POOL_QUEUE_STANDING.name)),
+            queue: StandingQueue::new(
+                metrics::gauge!(POOL_QUEUE_STANDING.name),
+                metrics::gauge!(POOL_WAITERS.name),
+            ),
         };
         db.record_pool_gauges();
         Ok(db)
@@ -490,7 +481,7 @@ impl Db {
         deadline: Instant,
     ) -> Result<PoolConnection<sqlx::Postgres>, DbError> {
         let m = &self.metrics;
-        let _waiting = WaiterGuard::new(m);
+        // Counted (and in the waiters gauge) until the acquire ends, however it ends.
         let _in_line = self.queue.enter();
         let started = Instant::now();
         let result = self.acquire_raw(deadline).await;
@@ -631,24 +622,6 @@ fn causes(e: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     out
-}
-
-/// Keeps the waiters gauge right even when an acquire is cancelled mid-wait.
-struct WaiterGuard<'a>(&'a PoolMetrics);
-
-impl<'a> WaiterGuard<'a> {
-    fn new(m: &'a PoolMetrics) -> Self {
-        let n = m.waiters.fetch_add(1, Ordering::Relaxed) + 1;
-        m.waiters_gauge.set(n as f64);
-        Self(m)
-    }
-}
-
-impl Drop for WaiterGuard<'_> {
-    fn drop(&mut self) {
-        let n = self.0.waiters.fetch_sub(1, Ordering::Relaxed) - 1;
-        self.0.waiters_gauge.set(n as f64);
-    }
 }
 
 /// Records a statement's latency under its bounded `statement` label when dropped.

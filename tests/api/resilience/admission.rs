@@ -37,12 +37,7 @@ async fn a_burst_of_ten_times_the_admission_limit_sheds_the_excess_with_503_and_
     for service in Service::ALL {
         app.set_service(service, |b| b.latency = Duration::from_millis(200));
     }
-    let limiter = app
-        .state
-        .admission
-        .as_ref()
-        .unwrap()
-        .limiter(RouteGroup::Dashboard);
+    let limiter = dashboard_limiter(&app);
     let rejections_before = app
         .metric(
             "tributary_admission_rejections_total",
@@ -289,6 +284,15 @@ async fn a_storm_of_client_disconnects_leaks_no_permits_tasks_or_downstream_call
     );
 }
 
+/// The dashboard group's admission limiter of a gateway with admission on.
+fn dashboard_limiter(app: &TestApp) -> Arc<tributary::admission::Limiter> {
+    app.state
+        .admission
+        .as_ref()
+        .expect("admission is on")
+        .limiter(RouteGroup::Dashboard)
+}
+
 /// Keeps `loops` clients sending dashboard requests until `stop` is set; a rejected client
 /// pauses briefly so the overload is sustained without burning the whole CPU on 503s.
 fn sustained_load(
@@ -425,12 +429,7 @@ async fn the_adaptive_limit_goes_down_when_downstream_latency_rises_under_load()
     for service in Service::ALL {
         app.set_service(service, |b| b.latency = Duration::from_millis(50));
     }
-    let limiter = app
-        .state
-        .admission
-        .as_ref()
-        .unwrap()
-        .limiter(RouteGroup::Dashboard);
+    let limiter = dashboard_limiter(&app);
     let stop = Arc::new(AtomicBool::new(false));
     let load = sustained_load(&app, 30, Arc::clone(&stop));
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -480,12 +479,7 @@ async fn limit_while_requests_wait_for_the_pool(follow_db_pool: bool) -> (usize,
     })
     .await;
     app.seed(1, 3).await;
-    let limiter = app
-        .state
-        .admission
-        .as_ref()
-        .unwrap()
-        .limiter(RouteGroup::Dashboard);
+    let limiter = dashboard_limiter(&app);
     let mut locker = app.db.begin().await.unwrap();
     sqlx::query("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *locker)
