@@ -107,7 +107,7 @@ impl Application {
         // Whether the gateway's own CPU is the bottleneck: the admission limit follows it, and
         // the breakers do not blame the downstreams for it.
         let queue_delay = QueueDelay::spawn(settings.overload.queue_delay_target, tasks.clone());
-        let downstreams = Arc::new(Downstreams::new(&settings, client, &queue_delay));
+        let downstreams = Arc::new(Downstreams::new(&settings, client, &queue_delay)?);
         let routing = Arc::new(Routing::new(
             Arc::clone(&settings),
             Arc::clone(&downstreams),

@@ -98,6 +98,9 @@ pub struct Seen {
     pub budget_ms: Option<u64>,
     /// The gateway's `x-tributary-variant`: which variant (grey release) it meant to call.
     pub variant: Option<String>,
+    pub user_agent: Option<String>,
+    /// `Authorization`, as sent (a test's own credentials, never a real secret).
+    pub authorization: Option<String>,
 }
 
 #[derive(Debug, Default, Serialize, Clone)]
@@ -232,6 +235,8 @@ async fn serve(
         tracestate: header("tracestate"),
         budget_ms: header("x-request-budget-ms").and_then(|v| v.parse().ok()),
         variant: header("x-tributary-variant"),
+        user_agent: header("user-agent"),
+        authorization: header("authorization"),
     });
 
     let delay = {

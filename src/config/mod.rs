@@ -193,6 +193,9 @@ impl Default for DatabaseSettings {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HttpClientSettings {
+    /// How the calls go out: reqwest, or hyper-util's pooled client without reqwest's layers
+    /// (plain `http://` downstreams only). See `downstream::transport`.
+    pub transport: TransportKind,
     /// Idle keep-alive connections kept per downstream host; sized for the admission limit so
     /// that steady load never opens new connections.
     pub pool_max_idle_per_host: usize,
@@ -205,11 +208,22 @@ pub struct HttpClientSettings {
 impl Default for HttpClientSettings {
     fn default() -> Self {
         Self {
+            transport: TransportKind::Reqwest,
             pool_max_idle_per_host: 2048,
             pool_idle_timeout: Duration::from_secs(90),
             connect_timeout: Duration::from_millis(250),
         }
     }
+}
+
+/// The HTTP client the downstream calls go through (`http_client.transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// reqwest: TLS, and the client this service's users expect.
+    Reqwest,
+    /// hyper-util's client directly: fewer instructions per call, plain `http://` only.
+    Hyper,
 }
 
 /// The five downstream services, one key per [`Service`] (a test keeps the keys and the
@@ -735,6 +749,19 @@ impl Settings {
         for service in Service::ALL {
             let d = self.downstreams.get(service);
             routing::validate(service.as_str(), &d.variants, &d.rules, &mut problems);
+            if self.http_client.transport == TransportKind::Hyper {
+                let variants = d
+                    .variants
+                    .iter()
+                    .map(|(name, v)| (format!(".variants.{name}"), &v.base_url));
+                for (at, url) in std::iter::once((String::new(), &d.base_url)).chain(variants) {
+                    if url.url().scheme() == "https" {
+                        problems.push(format!(
+                            "downstreams.{service}{at}.base_url is https://, which http_client.transport = \"hyper\" does not speak (no TLS): use \"reqwest\""
+                        ));
+                    }
+                }
+            }
         }
         if problems.is_empty() {
             Ok(())

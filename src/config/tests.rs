@@ -332,3 +332,30 @@ fn bad_cache_settings_are_reported_with_their_path() {
         assert!(err.contains(needle), "missing {needle:?} in {err}");
     }
 }
+
+#[test]
+fn the_hyper_transport_refuses_an_https_downstream_and_names_it() {
+    let err = problems(&[
+        ("TRIBUTARY_HTTP_CLIENT__TRANSPORT", "hyper"),
+        (
+            "TRIBUTARY_DOWNSTREAMS__CARTS__BASE_URL",
+            "https://carts.internal",
+        ),
+    ]);
+    assert_eq!(
+        err,
+        "invalid configuration: downstreams.carts.base_url is https://, which \
+         http_client.transport = \"hyper\" does not speak (no TLS): use \"reqwest\""
+    );
+    // The same downstream through reqwest is fine; an unknown transport is not.
+    let settings = load(&[(
+        "TRIBUTARY_DOWNSTREAMS__CARTS__BASE_URL",
+        "https://carts.internal",
+    )]);
+    assert!(settings.is_ok(), "{settings:?}");
+    let err = problems(&[("TRIBUTARY_HTTP_CLIENT__TRANSPORT", "curl")]);
+    assert!(
+        err.contains("http_client.transport: unknown variant: found `curl`"),
+        "{err}"
+    );
+}

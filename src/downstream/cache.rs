@@ -765,12 +765,15 @@ mod tests {
         let shutdown = tokio_util::sync::CancellationToken::new();
         let queue_delay =
             crate::overload::QueueDelay::spawn(Duration::from_secs(1), shutdown.clone());
-        let client = Arc::new(Downstream::new(
-            Service::Promotions,
-            &settings,
-            super::super::build_client(&settings.http_client).unwrap(),
-            queue_delay,
-        ));
+        let client = Arc::new(
+            Downstream::new(
+                Service::Promotions,
+                &settings,
+                super::super::build_client(&settings.http_client).unwrap(),
+                queue_delay,
+            )
+            .unwrap(),
+        );
         let cache = PartCache::new(
             Service::Promotions,
             &CacheSettings::default(),

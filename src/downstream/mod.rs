@@ -3,7 +3,8 @@
 //! Each [`Downstream`] owns everything about calling one service: its base URL, its timeout,
 //! its bulkhead (a bound on concurrent calls, so one slow dependency cannot absorb all the
 //! gateway's capacity), its circuit breaker, its retry
-//! budget and its instruments. Handlers never touch `reqwest`.
+//! budget and its instruments. Handlers never touch the HTTP client: the exchange itself, over
+//! reqwest or hyper-util's client (`http_client.transport`), is [`transport`]'s.
 //!
 //! Every call is bounded by the request's deadline: the effective timeout is
 //! `min(call timeout, remaining budget)`, a call that cannot fit in the remaining budget is not
@@ -27,6 +28,7 @@
 
 pub mod breaker;
 pub mod cache;
+pub(crate) mod transport;
 pub mod window;
 
 use std::{
@@ -34,8 +36,7 @@ use std::{
     time::Duration,
 };
 
-use bytes::{Bytes, BytesMut};
-use http::HeaderValue;
+use http::{HeaderMap, HeaderValue};
 use metrics::{Counter, Gauge, Histogram};
 use rand::Rng;
 use serde_json::value::RawValue;
@@ -45,7 +46,6 @@ use tokio::{
 };
 use tower::retry::budget::{Budget, TpsBudget};
 use tracing::{Instrument, Span};
-use url::Url;
 
 use crate::{
     config::{
@@ -58,6 +58,8 @@ use crate::{
 };
 use breaker::Breaker;
 use cache::{Directives, PartCache, Source};
+pub(crate) use transport::Client;
+use transport::{Target, Transport};
 use window::Window;
 
 /// Header naming the variant a call was routed to (`stable` for the downstream's own
@@ -163,8 +165,10 @@ pub(crate) enum CallError {
     #[error("{service} could not be reached: {source}")]
     Transport {
         service: Service,
+        /// A connect or read timeout of the HTTP client.
+        timed_out: bool,
         #[source]
-        source: Arc<reqwest::Error>,
+        source: Arc<dyn std::error::Error + Send + Sync>,
     },
     #[error("{service} sent an invalid body: {reason}")]
     InvalidBody { service: Service, reason: String },
@@ -204,18 +208,9 @@ impl CallError {
     }
 }
 
-/// The shared HTTP client: one connection pool for all downstreams, keep-alive on, sized for
-/// the admission limit so that steady load reuses connections instead of opening new ones.
-pub(crate) fn build_client(settings: &HttpClientSettings) -> anyhow::Result<reqwest::Client> {
-    crate::tls::install_provider();
-    Ok(reqwest::Client::builder()
-        .pool_max_idle_per_host(settings.pool_max_idle_per_host)
-        .pool_idle_timeout(settings.pool_idle_timeout)
-        .connect_timeout(settings.connect_timeout)
-        .tcp_nodelay(true)
-        .redirect(reqwest::redirect::Policy::none())
-        .user_agent(concat!("tributary/", env!("CARGO_PKG_VERSION")))
-        .build()?)
+/// The shared HTTP client ([`Client`]), built from the `http_client` settings.
+pub(crate) fn build_client(settings: &HttpClientSettings) -> anyhow::Result<Client> {
+    Client::new(settings)
 }
 
 pub(crate) const REQUEST_DURATION: Family = Family::seconds(
@@ -323,10 +318,10 @@ pub struct Downstream {
     /// The live comparison's window, set once the downstream has variants; while it is unset
     /// (no variants) a call records nothing more and sends no variant header.
     window: OnceLock<Window>,
-    /// `{base_url}/{service}/`, parsed once; a call sets its path to this one's plus the user
-    /// id. Handing reqwest a `Url` instead of a string saves a full parse per call (host,
-    /// IDNA and all: about 6,000 instructions, 4 % of a dashboard's).
-    base: Url,
+    /// The client and `{base_url}/{service}/`, prepared once; a call appends the user id.
+    /// Handing reqwest a `Url` instead of a string saves a full parse per call (host, IDNA
+    /// and all: about 6,000 instructions, 4 % of a dashboard's).
+    transport: Transport,
     timeout: Duration,
     hedge_after: Option<Duration>,
     bulkhead: Arc<Semaphore>,
@@ -334,7 +329,6 @@ pub struct Downstream {
     breaker: Breaker,
     retry: RetrySettings,
     retry_budget: TpsBudget,
-    client: reqwest::Client,
     /// The gateway's own deadline: what a call's timeout is judged fair against.
     request_deadline: Duration,
     queue_delay: QueueDelay,
@@ -359,9 +353,9 @@ impl Downstream {
     pub(crate) fn new(
         service: Service,
         settings: &Settings,
-        client: reqwest::Client,
+        client: Client,
         queue_delay: QueueDelay,
-    ) -> Self {
+    ) -> anyhow::Result<Self> {
         let own = settings.downstreams.get(service);
         let own = Own {
             base_url: &own.base_url,
@@ -396,7 +390,7 @@ impl Downstream {
             // A variant is never cached (the cache holds stable's answers).
             reads_cache_control: false,
         };
-        let built = Self::build(service, name.into(), own, settings, client, queue_delay);
+        let built = Self::build(service, name.into(), own, settings, client, queue_delay)?;
         built.compare_over(window);
         Ok(built)
     }
@@ -406,19 +400,19 @@ impl Downstream {
         variant: Arc<str>,
         own: Own<'_>,
         settings: &Settings,
-        client: reqwest::Client,
+        client: Client,
         queue_delay: QueueDelay,
-    ) -> Self {
+    ) -> anyhow::Result<Self> {
         let (breaker, retry) = (&settings.circuit_breaker, &settings.retry);
         let mut base = own.base_url.url().clone();
         base.set_path(&format!("{}/{service}/", base.path().trim_end_matches('/')));
-        Self {
+        Ok(Self {
             service,
             variant_header: HeaderValue::from_str(&variant)
                 .unwrap_or_else(|_| HeaderValue::from_static(STABLE)),
             metrics: Instruments::register(service, &variant),
             window: OnceLock::new(),
-            base,
+            transport: Transport::new(client, &base)?,
             timeout: own.timeout,
             hedge_after: own.hedge_after,
             bulkhead: Arc::new(Semaphore::new(own.max_concurrency)),
@@ -436,11 +430,10 @@ impl Downstream {
                 u32::from(retry.budget_min_per_sec),
                 retry.budget_ratio.get() as f32,
             ),
-            client,
             request_deadline: settings.server.request_deadline,
             queue_delay,
             reads_cache_control: own.reads_cache_control,
-        }
+        })
     }
 
     pub fn service(&self) -> Service {
@@ -536,13 +529,12 @@ impl Downstream {
         };
         let _in_flight = InFlight::new(&self.metrics.in_flight, permit);
         self.retry_budget.deposit();
-        let mut url = self.base.clone();
-        url.set_path(&format!("{}{user_id}", self.base.path()));
+        let target = self.transport.target(user_id);
         let mut attempt = 0;
         let result = loop {
             let result = match self.hedge_after {
-                Some(after) => self.hedged(&url, after, span).await,
-                None => self.attempt(&url, span).await,
+                Some(after) => self.hedged(&target, after, span).await,
+                None => self.attempt(&target, span).await,
             };
             match result {
                 // No retry while the gateway's own CPU is short: it would only add load there.
@@ -579,8 +571,8 @@ impl Downstream {
                 Some(*cause)
             }
             // A connect or read timeout of the HTTP client while the runtime was saturated.
-            Err(CallError::Transport { source, .. })
-                if source.is_timeout() && self.queue_delay.saturated_since(started) =>
+            Err(CallError::Transport { timed_out, .. })
+                if *timed_out && self.queue_delay.saturated_since(started) =>
             {
                 Some(TimeoutCause::GatewaySaturated)
             }
@@ -599,8 +591,13 @@ impl Downstream {
 
     /// Sends a second request if the first is slower than `after`; the first success wins and
     /// the loser is cancelled by being dropped.
-    async fn hedged(&self, url: &Url, after: Duration, span: &Span) -> Result<Fetched, CallError> {
-        let first = self.attempt(url, span);
+    async fn hedged(
+        &self,
+        target: &Target,
+        after: Duration,
+        span: &Span,
+    ) -> Result<Fetched, CallError> {
+        let first = self.attempt(target, span);
         tokio::pin!(first);
         tokio::select! {
             r = &mut first => return r,
@@ -613,7 +610,7 @@ impl Downstream {
             return first.await;
         }
         self.metrics.hedges.increment(1);
-        let second = self.attempt(url, span);
+        let second = self.attempt(target, span);
         tokio::pin!(second);
         tokio::select! {
             r = &mut first => match r {
@@ -629,7 +626,7 @@ impl Downstream {
 
     /// One HTTP exchange bounded by min(call timeout, remaining budget); the status goes on
     /// `span`, the call's (a no-op when call spans are not exported).
-    async fn attempt(&self, url: &Url, span: &Span) -> Result<Fetched, CallError> {
+    async fn attempt(&self, target: &Target, span: &Span) -> Result<Fetched, CallError> {
         let service = self.service;
         let budget = remaining();
         if budget < MIN_CALL_BUDGET {
@@ -638,33 +635,26 @@ impl Downstream {
         let timeout = self.timeout.min(budget);
         let fair = self.timeout.min(self.request_deadline);
         let started = Instant::now();
-        let mut request = self
-            .client
-            .get(url.clone())
-            .header(BUDGET_HEADER, timeout.as_millis() as u64);
+        // Room for every header a call sends, the transport's own two included.
+        let mut headers = HeaderMap::with_capacity(8);
+        headers.insert(BUDGET_HEADER, HeaderValue::from(timeout.as_millis() as u64));
         if let Some(ctx) = crate::context::current()
             && let Ok(id) = HeaderValue::from_str(&ctx.request_id)
         {
-            request = request.header("x-request-id", id);
+            headers.insert("x-request-id", id);
         }
         let (traceparent, tracestate) = crate::telemetry::outgoing_trace_headers();
-        if let Some(traceparent) = traceparent {
-            request = request.header("traceparent", traceparent);
+        if let Some(Ok(traceparent)) = traceparent.map(HeaderValue::try_from) {
+            headers.insert("traceparent", traceparent);
         }
-        if let Some(tracestate) = tracestate {
-            request = request.header("tracestate", tracestate);
+        if let Some(Ok(tracestate)) = tracestate.map(HeaderValue::try_from) {
+            headers.insert("tracestate", tracestate);
         }
         if self.window.get().is_some() {
-            request = request.header(VARIANT_HEADER, self.variant_header.clone());
+            headers.insert(VARIANT_HEADER, self.variant_header.clone());
         }
         let exchange = async {
-            let response = request
-                .send()
-                .await
-                .map_err(|source| CallError::Transport {
-                    service,
-                    source: Arc::new(source),
-                })?;
+            let response = self.transport.send(service, target, headers).await?;
             let status = response.status();
             // An i64: OpenTelemetry has no unsigned integers, and a u64 is exported as a string.
             span.record("http.response.status_code", i64::from(status.as_u16()));
@@ -683,7 +673,7 @@ impl Downstream {
             } else {
                 Directives::default()
             };
-            let body = read_body(response, service).await?;
+            let body = response.body(service).await?;
             // Validate without building a DOM: RawValue keeps the original bytes.
             let text = String::from_utf8(body.into()).map_err(|_| CallError::InvalidBody {
                 service,
@@ -708,36 +698,6 @@ impl Downstream {
             }),
         }
     }
-}
-
-async fn read_body(mut response: reqwest::Response, service: Service) -> Result<Bytes, CallError> {
-    if response
-        .content_length()
-        .is_some_and(|n| n as usize > MAX_BODY_BYTES)
-    {
-        return Err(CallError::InvalidBody {
-            service,
-            reason: "body too large".into(),
-        });
-    }
-    let mut buf = BytesMut::with_capacity(response.content_length().unwrap_or(1024) as usize);
-    while let Some(chunk) = response
-        .chunk()
-        .await
-        .map_err(|source| CallError::Transport {
-            service,
-            source: Arc::new(source),
-        })?
-    {
-        if buf.len() + chunk.len() > MAX_BODY_BYTES {
-            return Err(CallError::InvalidBody {
-                service,
-                reason: "body too large".into(),
-            });
-        }
-        buf.extend_from_slice(&chunk);
-    }
-    Ok(buf.freeze())
 }
 
 /// Exponential backoff with full jitter: uniform in [0, base × 2^attempt].
@@ -781,18 +741,18 @@ pub struct Downstreams {
 impl Downstreams {
     pub(crate) fn new(
         settings: &Settings,
-        client: reqwest::Client,
+        client: Client,
         queue_delay: &QueueDelay,
-    ) -> Self {
-        Self {
-            clients: Service::ALL.map(|service| {
-                Arc::new(Downstream::new(
-                    service,
-                    settings,
-                    client.clone(),
-                    queue_delay.clone(),
-                ))
-            }),
+    ) -> anyhow::Result<Self> {
+        let mut clients = Vec::with_capacity(Service::ALL.len());
+        for service in Service::ALL {
+            let client = Downstream::new(service, settings, client.clone(), queue_delay.clone())?;
+            clients.push(Arc::new(client));
+        }
+        Ok(Self {
+            clients: clients
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("one per service")),
             // Every series exists from start-up, cached or not, as the other per-service ones.
             caches: Service::ALL.map(|service| {
                 let metrics = cache::Instruments::register(service);
@@ -804,7 +764,7 @@ impl Downstreams {
                     metrics,
                 ))
             }),
-        }
+        })
     }
 
     /// The client of one service.

@@ -7,13 +7,27 @@ use serde_json::Value;
 
 use std::time::Duration;
 
+use tributary::config::TransportKind;
+
 use crate::helpers::spawn_app_with;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_requests_never_see_each_others_context() {
+    requests_never_see_each_others_context(TransportKind::Reqwest).await;
+}
+
+/// The same through hyper-util's client without reqwest's layers: every header a call sends is
+/// built by the gateway itself there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_never_see_each_others_context_through_the_hyper_transport() {
+    requests_never_see_each_others_context(TransportKind::Hyper).await;
+}
+
+async fn requests_never_see_each_others_context(transport: TransportKind) {
     // Generous budgets: this test is about isolation, and a debug build on a busy CI machine
     // must not turn it into a latency test.
     let app = spawn_app_with(|s| {
+        s.http_client.transport = transport;
         s.server.request_deadline = Duration::from_secs(20);
         for d in s.downstreams.iter_mut() {
             d.timeout = Duration::from_secs(10);
@@ -111,6 +125,40 @@ async fn a_callers_tracestate_is_forwarded_capped_at_32_members_and_dropped_when
         assert_eq!(journal.len() - before, 5);
         for seen in &journal[before..] {
             assert_eq!(seen.tracestate, forwarded, "{:?}", seen.service);
+        }
+    }
+}
+
+#[tokio::test]
+async fn every_call_names_the_gateway_and_carries_the_base_urls_credentials_on_either_transport() {
+    for transport in [TransportKind::Reqwest, TransportKind::Hyper] {
+        let app = spawn_app_with(|s| {
+            s.http_client.transport = transport;
+            let mut url = s.downstreams.carts.base_url.url().clone();
+            url.set_username("svc@corp").unwrap();
+            url.set_password(Some("p:ss")).unwrap();
+            s.downstreams.carts.base_url = url.as_str().parse().unwrap();
+        })
+        .await;
+        let (status, body) = app.dashboard(1).await;
+        assert_eq!(status, 200, "{transport:?}: {body}");
+        let journal = app.sim.sim.journal();
+        assert_eq!(journal.len(), 5, "{transport:?}");
+        for seen in &journal {
+            assert_eq!(
+                seen.user_agent.as_deref(),
+                Some(concat!("tributary/", env!("CARGO_PKG_VERSION"))),
+                "{transport:?} {seen:?}"
+            );
+            let expected = (seen.service == tributary::domain::Service::Carts)
+                // base64("svc@corp:p:ss"): the userinfo percent-decoded, as RFC 7617 wants it.
+                .then_some("Basic c3ZjQGNvcnA6cDpzcw==");
+            assert_eq!(
+                seen.authorization.as_deref(),
+                expected,
+                "{transport:?} {seen:?}"
+            );
+            assert!(seen.budget_ms.is_some(), "{transport:?} {seen:?}");
         }
     }
 }

@@ -1,0 +1,387 @@
+//! How one downstream exchange goes out: through reqwest (the default) or through hyper-util's
+//! pooled client directly (`http_client.transport = "hyper"`), a measured option.
+//!
+//! Why a second way at all: reqwest wraps that same hyper-util client in layers this gateway
+//! never uses, and pays for them on every call. Its redirect follower turns the request's URI
+//! back into a string and parses it as a `Url` even with redirects off, and the response path
+//! parses it once more; its retry layer clones the request; its `Url` becomes a `Uri` through
+//! another string; and the header map is copied into the hyper request. Going to hyper-util
+//! directly keeps what the gateway does use (the keep-alive pool, its idle bound and timeout,
+//! the connect timeout, `TCP_NODELAY`) and drops the rest; docs/benchmarks.md has the counts.
+//!
+//! The hyper way speaks plain `http://` only: it builds no TLS connector, and the configuration
+//! refuses an `https://` downstream with it (`Settings::validate`). Both ways send the same
+//! request: the same headers, the base URL's credentials as HTTP basic authentication, and the
+//! same bound on the body.
+
+use std::sync::Arc;
+
+use base64::{Engine, engine::general_purpose::STANDARD};
+use bytes::{Bytes, BytesMut};
+use http::{
+    HeaderMap, HeaderValue, StatusCode, Uri,
+    header::{AUTHORIZATION, USER_AGENT},
+    uri::{Authority, PathAndQuery, Scheme},
+};
+use http_body_util::BodyExt;
+use hyper_util::{
+    client::legacy::{Client as HyperClient, connect::HttpConnector},
+    rt::{TokioExecutor, TokioTimer},
+};
+use url::Url;
+
+use super::{CallError, MAX_BODY_BYTES};
+use crate::{
+    config::{HttpClientSettings, TransportKind},
+    domain::Service,
+};
+
+/// The `User-Agent` of every call.
+const AGENT: &str = concat!("tributary/", env!("CARGO_PKG_VERSION"));
+
+/// hyper-util's client over plain TCP, with empty request bodies (every call is a `GET`).
+type Hyper = HyperClient<HttpConnector, http_body_util::Empty<Bytes>>;
+
+/// The shared HTTP client: one connection pool for all downstreams (a grey-release variant has
+/// its own), keep-alive on, sized for the admission limit so that steady load reuses
+/// connections instead of opening new ones.
+#[derive(Clone)]
+pub(crate) enum Client {
+    Reqwest(reqwest::Client),
+    /// Boxed: hyper-util's client is some 300 bytes, reqwest's one pointer.
+    Hyper(Box<Hyper>),
+}
+
+impl Client {
+    pub(crate) fn new(settings: &HttpClientSettings) -> anyhow::Result<Self> {
+        Ok(match settings.transport {
+            TransportKind::Reqwest => {
+                crate::tls::install_provider();
+                Client::Reqwest(
+                    reqwest::Client::builder()
+                        .pool_max_idle_per_host(settings.pool_max_idle_per_host)
+                        .pool_idle_timeout(settings.pool_idle_timeout)
+                        .connect_timeout(settings.connect_timeout)
+                        .tcp_nodelay(true)
+                        .redirect(reqwest::redirect::Policy::none())
+                        .build()?,
+                )
+            }
+            TransportKind::Hyper => {
+                let mut connector = HttpConnector::new();
+                connector.set_nodelay(true);
+                connector.set_connect_timeout(Some(settings.connect_timeout));
+                Client::Hyper(Box::new(
+                    HyperClient::builder(TokioExecutor::new())
+                        .pool_max_idle_per_host(settings.pool_max_idle_per_host)
+                        .pool_idle_timeout(settings.pool_idle_timeout)
+                        // The idle timeout is enforced by a timer; without one it is not.
+                        .pool_timer(TokioTimer::new())
+                        .build(connector),
+                ))
+            }
+        })
+    }
+}
+
+/// One downstream's way out: the client, and the service's base prepared once for it.
+pub(crate) struct Transport {
+    client: Client,
+    /// `{base_url}/{service}/` without its credentials; a call appends the user id.
+    base: Url,
+    /// The base's scheme and authority, parsed once for the hyper way.
+    scheme: Scheme,
+    authority: Authority,
+    /// What every call sends: `User-Agent`, and `Authorization` when the base URL has
+    /// credentials.
+    fixed: HeaderMap,
+}
+
+/// Where one call goes, built once per call (its retries and hedges reuse it).
+#[derive(Clone)]
+pub(crate) enum Target {
+    Url(Url),
+    Uri(Uri),
+}
+
+/// A downstream's answer, with its body read only if it was a success.
+pub(crate) enum Response {
+    Reqwest(reqwest::Response),
+    Hyper(http::Response<hyper::body::Incoming>),
+}
+
+impl Transport {
+    /// `base` is `{base_url}/{service}/`, credentials included.
+    pub(crate) fn new(client: Client, base: &Url) -> anyhow::Result<Self> {
+        let mut fixed = HeaderMap::with_capacity(2);
+        fixed.insert(USER_AGENT, HeaderValue::from_static(AGENT));
+        let mut base = base.clone();
+        if let Some(auth) = basic_auth(&base) {
+            fixed.insert(AUTHORIZATION, auth);
+            // Neither way may see the credentials in the URL: hyper would send them in `Host`.
+            let _ = base.set_username("");
+            let _ = base.set_password(None);
+        }
+        let scheme: Scheme = base.scheme().parse()?;
+        let authority: Authority = match base.port() {
+            Some(port) => format!("{}:{port}", base.host_str().unwrap_or_default()),
+            None => base.host_str().unwrap_or_default().to_owned(),
+        }
+        .parse()?;
+        Ok(Self {
+            client,
+            base,
+            scheme,
+            authority,
+            fixed,
+        })
+    }
+
+    /// The URL of `user_id`'s part.
+    pub(crate) fn target(&self, user_id: i64) -> Target {
+        let path = format!("{}{user_id}", self.base.path());
+        match self.client {
+            Client::Reqwest(_) => {
+                let mut url = self.base.clone();
+                url.set_path(&path);
+                Target::Url(url)
+            }
+            Client::Hyper(_) => {
+                let mut parts = http::uri::Parts::default();
+                parts.scheme = Some(self.scheme.clone());
+                parts.authority = Some(self.authority.clone());
+                // The base path came out of a parsed URL and an integer is appended: valid.
+                parts.path_and_query = PathAndQuery::from_maybe_shared(path).ok();
+                Target::Uri(Uri::from_parts(parts).expect("scheme, authority and path are set"))
+            }
+        }
+    }
+
+    /// Sends `GET target` with `headers` and the fixed ones.
+    pub(crate) async fn send(
+        &self,
+        service: Service,
+        target: &Target,
+        mut headers: HeaderMap,
+    ) -> Result<Response, CallError> {
+        for (name, value) in &self.fixed {
+            headers.insert(name, value.clone());
+        }
+        match (&self.client, target) {
+            (Client::Reqwest(client), Target::Url(url)) => {
+                let mut request = reqwest::Request::new(http::Method::GET, url.clone());
+                *request.headers_mut() = headers;
+                client
+                    .execute(request)
+                    .await
+                    .map(Response::Reqwest)
+                    .map_err(|e| transport_error(service, e.is_timeout(), e))
+            }
+            (Client::Hyper(client), Target::Uri(uri)) => {
+                let mut request = http::Request::new(http_body_util::Empty::new());
+                *request.uri_mut() = uri.clone();
+                *request.headers_mut() = headers;
+                client
+                    .request(request)
+                    .await
+                    .map(Response::Hyper)
+                    .map_err(|e| transport_error(service, timed_out(&e), e))
+            }
+            _ => unreachable!("a target is built by its own transport"),
+        }
+    }
+}
+
+impl Response {
+    pub(crate) fn status(&self) -> StatusCode {
+        match self {
+            Response::Reqwest(r) => r.status(),
+            Response::Hyper(r) => r.status(),
+        }
+    }
+
+    pub(crate) fn headers(&self) -> &HeaderMap {
+        match self {
+            Response::Reqwest(r) => r.headers(),
+            Response::Hyper(r) => r.headers(),
+        }
+    }
+
+    fn content_length(&self) -> Option<u64> {
+        self.headers()
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// The whole body, at most [`MAX_BODY_BYTES`]: a larger one is an error, not an allocation.
+    pub(crate) async fn body(self, service: Service) -> Result<Bytes, CallError> {
+        let too_large = || CallError::InvalidBody {
+            service,
+            reason: "body too large".into(),
+        };
+        let length = self.content_length();
+        if length.is_some_and(|n| n as usize > MAX_BODY_BYTES) {
+            return Err(too_large());
+        }
+        let mut buf = BytesMut::with_capacity(length.unwrap_or(1024) as usize);
+        match self {
+            Response::Reqwest(mut response) => {
+                while let Some(chunk) = response
+                    .chunk()
+                    .await
+                    .map_err(|e| transport_error(service, e.is_timeout(), e))?
+                {
+                    if buf.len() + chunk.len() > MAX_BODY_BYTES {
+                        return Err(too_large());
+                    }
+                    buf.extend_from_slice(&chunk);
+                }
+            }
+            Response::Hyper(response) => {
+                let mut body = response.into_body();
+                while let Some(frame) = body.frame().await {
+                    let frame = frame.map_err(|e| transport_error(service, timed_out(&e), e))?;
+                    let Ok(chunk) = frame.into_data() else {
+                        continue; // trailers
+                    };
+                    if buf.len() + chunk.len() > MAX_BODY_BYTES {
+                        return Err(too_large());
+                    }
+                    buf.extend_from_slice(&chunk);
+                }
+            }
+        }
+        Ok(buf.freeze())
+    }
+}
+
+fn transport_error(
+    service: Service,
+    timed_out: bool,
+    source: impl std::error::Error + Send + Sync + 'static,
+) -> CallError {
+    CallError::Transport {
+        service,
+        timed_out,
+        source: Arc::new(source),
+    }
+}
+
+/// Whether an error, or one of its causes, is an I/O timeout (the connect timeout's).
+fn timed_out(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(e) = cause {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
+/// `Basic base64(user:password)` from the URL's percent-decoded userinfo, if it has one.
+fn basic_auth(url: &Url) -> Option<HeaderValue> {
+    if url.username().is_empty() && url.password().is_none() {
+        return None;
+    }
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    let credentials = format!(
+        "{}:{}",
+        decode(url.username()),
+        url.password().map(decode).unwrap_or_default()
+    );
+    let mut value =
+        HeaderValue::try_from(format!("Basic {}", STANDARD.encode(credentials))).ok()?;
+    value.set_sensitive(true);
+    Some(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_in_the_base_url_become_basic_auth_and_leave_the_url() {
+        let url = Url::parse("http://svc%40corp:p%3Ass@h:9001/users/").unwrap();
+        for kind in [TransportKind::Reqwest, TransportKind::Hyper] {
+            let settings = HttpClientSettings {
+                transport: kind,
+                ..HttpClientSettings::default()
+            };
+            let transport = Transport::new(Client::new(&settings).unwrap(), &url).unwrap();
+            assert_eq!(
+                transport.fixed[AUTHORIZATION],
+                // base64("svc@corp:p:ss")
+                "Basic c3ZjQGNvcnA6cDpzcw=="
+            );
+            assert!(transport.fixed[AUTHORIZATION].is_sensitive());
+            let sent = match transport.target(7) {
+                Target::Url(url) => url.to_string(),
+                Target::Uri(uri) => uri.to_string(),
+            };
+            assert_eq!(sent, "http://h:9001/users/7", "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn a_base_url_without_credentials_sends_no_authorization() {
+        let url = Url::parse("http://h/carts/").unwrap();
+        let transport = Transport::new(
+            Client::new(&HttpClientSettings {
+                transport: TransportKind::Hyper,
+                ..HttpClientSettings::default()
+            })
+            .unwrap(),
+            &url,
+        )
+        .unwrap();
+        assert!(!transport.fixed.contains_key(AUTHORIZATION));
+        match transport.target(42) {
+            Target::Uri(uri) => assert_eq!(uri, "http://h/carts/42"),
+            Target::Url(_) => panic!("the hyper way targets a Uri"),
+        }
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("connect failed")]
+    struct Wrapper(#[source] std::io::Error);
+
+    #[test]
+    fn a_timeout_anywhere_in_the_causes_is_a_timeout_and_nothing_else_is() {
+        let io = |kind| std::io::Error::new(kind, "x");
+        assert!(timed_out(&Wrapper(io(std::io::ErrorKind::TimedOut))));
+        assert!(timed_out(&io(std::io::ErrorKind::TimedOut)));
+        assert!(!timed_out(&Wrapper(io(
+            std::io::ErrorKind::ConnectionRefused
+        ))));
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_a_transport_error_and_not_a_timeout() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = Url::parse(&format!("http://{}/users/", closed.local_addr().unwrap())).unwrap();
+        drop(closed);
+        for kind in [TransportKind::Reqwest, TransportKind::Hyper] {
+            let settings = HttpClientSettings {
+                transport: kind,
+                ..HttpClientSettings::default()
+            };
+            let transport = Transport::new(Client::new(&settings).unwrap(), &url).unwrap();
+            let sent = transport
+                .send(Service::Users, &transport.target(1), HeaderMap::new())
+                .await;
+            match sent {
+                Err(CallError::Transport { timed_out, .. }) => assert!(!timed_out, "{kind:?}"),
+                Err(e) => panic!("{kind:?}: {e}"),
+                Ok(_) => panic!("{kind:?}: a closed port answered"),
+            }
+        }
+    }
+}
