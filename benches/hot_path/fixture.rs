@@ -12,13 +12,17 @@ use std::{
 use tokio::{runtime::Runtime, time::Instant};
 use tributary::{
     Application, Settings,
-    config::{AdmissionGroupSettings, AdmissionMode, LogFormat, RouteGroup, TelemetrySettings},
+    config::{
+        AdmissionGroupSettings, AdmissionMode, LogFormat, RouteGroup, TelemetrySettings,
+        TransportKind,
+    },
     context::{RequestContext, TraceIds},
     http::AppState,
 };
 use tributary_sim::Behaviour;
 
-/// The gateway, built twice: once with static admission limits, once with the adaptive one.
+/// The gateway, built three times: with static admission limits, with the adaptive one, and with
+/// static limits and the hyper transport.
 pub(crate) struct Gateway {
     /// Drives everything the gateway spawned; a benchmark that awaits runs on it.
     pub(crate) rt: Runtime,
@@ -27,6 +31,9 @@ pub(crate) struct Gateway {
     pub(crate) fixed: AppState,
     /// The shipped mode: the limit follows the runtime's queueing delay.
     pub(crate) adaptive: AppState,
+    /// As `fixed`, with the downstream calls through hyper-util's client
+    /// (`http_client.transport = "hyper"`).
+    pub(crate) hyper: AppState,
 }
 
 /// Built on first use; the applications are kept alive (their background tasks with them) for
@@ -37,21 +44,25 @@ pub(crate) static GATEWAY: LazyLock<Gateway> = LazyLock::new(|| {
         .enable_all()
         .build()
         .expect("a runtime");
-    let build = |mode: AdmissionMode| {
+    let build = |mode: AdmissionMode, transport: TransportKind| {
+        let mut settings = settings(sim, mode);
+        settings.http_client.transport = transport;
         let app = rt
-            .block_on(Application::build(settings(sim, mode)))
+            .block_on(Application::build(settings))
             .expect("the gateway builds");
         let state = app.state().clone();
         // Never run, never dropped: dropping it would stop the tasks its state relies on.
         std::mem::forget(app);
         state
     };
-    let fixed = build(AdmissionMode::Static);
-    let adaptive = build(AdmissionMode::Adaptive);
+    let fixed = build(AdmissionMode::Static, TransportKind::Reqwest);
+    let adaptive = build(AdmissionMode::Adaptive, TransportKind::Reqwest);
+    let hyper = build(AdmissionMode::Static, TransportKind::Hyper);
     Gateway {
         rt,
         fixed,
         adaptive,
+        hyper,
     }
 });
 
