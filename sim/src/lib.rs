@@ -99,6 +99,7 @@ pub struct Seen {
     /// The gateway's `x-tributary-variant`: which variant (grey release) it meant to call.
     pub variant: Option<String>,
     pub user_agent: Option<String>,
+    pub accept: Option<String>,
     /// `Authorization`, as sent (a test's own credentials, never a real secret).
     pub authorization: Option<String>,
 }
@@ -236,6 +237,7 @@ async fn serve(
         budget_ms: header("x-request-budget-ms").and_then(|v| v.parse().ok()),
         variant: header("x-tributary-variant"),
         user_agent: header("user-agent"),
+        accept: header("accept"),
         authorization: header("authorization"),
     });
 

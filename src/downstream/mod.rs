@@ -635,8 +635,8 @@ impl Downstream {
         let timeout = self.timeout.min(budget);
         let fair = self.timeout.min(self.request_deadline);
         let started = Instant::now();
-        // Room for every header a call sends, the transport's own two included.
-        let mut headers = HeaderMap::with_capacity(8);
+        // Room for every header a call sends, the transport's own three included.
+        let mut headers = HeaderMap::with_capacity(9);
         headers.insert(BUDGET_HEADER, HeaderValue::from(timeout.as_millis() as u64));
         if let Some(ctx) = crate::context::current()
             && let Ok(id) = HeaderValue::from_str(&ctx.request_id)

@@ -20,7 +20,7 @@ use base64::{Engine, engine::general_purpose::STANDARD};
 use bytes::{Bytes, BytesMut};
 use http::{
     HeaderMap, HeaderValue, StatusCode, Uri,
-    header::{AUTHORIZATION, USER_AGENT},
+    header::{ACCEPT, AUTHORIZATION, USER_AGENT},
     uri::{Authority, PathAndQuery, Scheme},
 };
 use http_body_util::BodyExt;
@@ -92,8 +92,8 @@ pub(crate) struct Transport {
     /// The base's scheme and authority, parsed once for the hyper way.
     scheme: Scheme,
     authority: Authority,
-    /// What every call sends: `User-Agent`, and `Authorization` when the base URL has
-    /// credentials.
+    /// What every call sends: `User-Agent`, `Accept`, and `Authorization` when the base URL
+    /// has credentials.
     fixed: HeaderMap,
 }
 
@@ -113,8 +113,10 @@ pub(crate) enum Response {
 impl Transport {
     /// `base` is `{base_url}/{service}/`, credentials included.
     pub(crate) fn new(client: Client, base: &Url) -> anyhow::Result<Self> {
-        let mut fixed = HeaderMap::with_capacity(2);
+        let mut fixed = HeaderMap::with_capacity(3);
         fixed.insert(USER_AGENT, HeaderValue::from_static(AGENT));
+        // reqwest would send `*/*` of its own; the gateway reads JSON only, and says so.
+        fixed.insert(ACCEPT, HeaderValue::from_static("application/json"));
         let mut base = base.clone();
         if let Some(auth) = basic_auth(&base) {
             fixed.insert(AUTHORIZATION, auth);

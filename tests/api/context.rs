@@ -130,7 +130,8 @@ async fn a_callers_tracestate_is_forwarded_capped_at_32_members_and_dropped_when
 }
 
 #[tokio::test]
-async fn every_call_names_the_gateway_and_carries_the_base_urls_credentials_on_either_transport() {
+async fn every_call_names_the_gateway_asks_for_json_and_carries_the_base_urls_credentials_on_either_transport()
+ {
     for transport in [TransportKind::Reqwest, TransportKind::Hyper] {
         let app = spawn_app_with(|s| {
             s.http_client.transport = transport;
@@ -157,6 +158,11 @@ async fn every_call_names_the_gateway_and_carries_the_base_urls_credentials_on_e
                 seen.authorization.as_deref(),
                 expected,
                 "{transport:?} {seen:?}"
+            );
+            assert_eq!(
+                seen.accept.as_deref(),
+                Some("application/json"),
+                "{transport:?}"
             );
             assert!(seen.budget_ms.is_some(), "{transport:?} {seen:?}");
         }

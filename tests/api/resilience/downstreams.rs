@@ -419,3 +419,71 @@ async fn retries_of_a_failing_required_part_stop_at_the_deadline() {
         .await;
     assert!(retries_after - retries_before >= (budgets.len() - 1) as f64);
 }
+
+/// Every way a downstream can fail an exchange, on both transports: a reset connection, a 404,
+/// a body that is not JSON and one over the 1 MiB bound each degrade their part alone.
+#[tokio::test]
+async fn each_broken_exchange_degrades_only_its_part_on_either_transport() {
+    for transport in [
+        tributary::config::TransportKind::Reqwest,
+        tributary::config::TransportKind::Hyper,
+    ] {
+        let app = spawn_app_with(|s| {
+            s.http_client.transport = transport;
+            s.retry.max_retries = 0;
+        })
+        .await;
+        app.set_service(Service::Carts, |b| b.mode = Mode::NotFound);
+        app.set_service(Service::Recommendations, |b| b.mode = Mode::Reset);
+        app.set_service(Service::Promotions, |b| b.body_bytes = 2 << 20);
+        app.set_service(Service::Notifications, |b| b.mode = Mode::InvalidJson);
+
+        let request_id = format!("broken-exchanges-{transport:?}");
+        let resp = app
+            .client
+            .get(app.url("/api/v1/dashboard/1"))
+            .header("x-request-id", &request_id)
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status();
+        let body: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(status, 200, "{transport:?}: {body}");
+        let mut parts = degraded(&body);
+        parts.sort_unstable();
+        assert_eq!(
+            parts,
+            ["cart", "notifications", "promotions", "recommendations"],
+            "{transport:?}"
+        );
+        assert_eq!(
+            body["profile"]["user_id"], 1,
+            "{transport:?}: the healthy part is served"
+        );
+        // Each for its own reason, named in its warning.
+        let causes: std::collections::BTreeMap<String, String> = crate::helpers::log_lines()
+            .into_iter()
+            .filter(|l| l["span"]["request_id"] == request_id.as_str())
+            .filter(|l| l["message"] == "dashboard part degraded")
+            .map(|l| {
+                (
+                    l["part"].as_str().unwrap().to_owned(),
+                    l["error"].to_string(),
+                )
+            })
+            .collect();
+        assert!(causes["cart"].contains("carts answered 404"), "{causes:?}");
+        assert!(
+            causes["promotions"].contains("promotions sent an invalid body: body too large"),
+            "{causes:?}"
+        );
+        assert!(
+            causes["notifications"].contains("notifications sent an invalid body"),
+            "{causes:?}"
+        );
+        assert!(
+            causes["recommendations"].contains("recommendations could not be reached"),
+            "{causes:?}"
+        );
+    }
+}
