@@ -40,7 +40,7 @@ use crate::{
     capacity,
     config::Settings,
     db::Db,
-    downstream::{Downstreams, build_client},
+    downstream::{Client, Downstreams},
     http::{
         AppState, ops_router,
         pushback::{Pausable, Pushback},
@@ -103,7 +103,7 @@ impl Application {
         if settings.database.run_migrations {
             migrate_with_retry(&db, Duration::from_secs(30)).await?;
         }
-        let client = build_client(&settings.http_client)?;
+        let client = Client::new(&settings.http_client)?;
         // Whether the gateway's own CPU is the bottleneck: the admission limit follows it, and
         // the breakers do not blame the downstreams for it.
         let queue_delay = QueueDelay::spawn(settings.overload.queue_delay_target, tasks.clone());

@@ -769,7 +769,7 @@ mod tests {
             Downstream::new(
                 Service::Promotions,
                 &settings,
-                super::super::build_client(&settings.http_client).unwrap(),
+                super::super::Client::new(&settings.http_client).unwrap(),
                 queue_delay,
             )
             .unwrap(),

@@ -208,11 +208,6 @@ impl CallError {
     }
 }
 
-/// The shared HTTP client ([`Client`]), built from the `http_client` settings.
-pub(crate) fn build_client(settings: &HttpClientSettings) -> anyhow::Result<Client> {
-    Client::new(settings)
-}
-
 pub(crate) const REQUEST_DURATION: Family = Family::seconds(
     "tributary_downstream_request_duration_seconds",
     "Duration of downstream calls, by service, variant (stable, or a configured grey-release variant) and outcome.",
@@ -378,7 +373,7 @@ impl Downstream {
         queue_delay: QueueDelay,
         window: Duration,
     ) -> anyhow::Result<Self> {
-        let client = build_client(&HttpClientSettings {
+        let client = Client::new(&HttpClientSettings {
             pool_max_idle_per_host: variant.pool_max_idle_per_host,
             ..settings.http_client.clone()
         })?;

@@ -227,6 +227,14 @@ impl Response {
             return Err(too_large());
         }
         let mut buf = BytesMut::with_capacity(length.unwrap_or(1024) as usize);
+        // Checked per chunk too: a body without a length, or with a false one.
+        let mut append = |chunk: &[u8]| {
+            if buf.len() + chunk.len() > MAX_BODY_BYTES {
+                return Err(too_large());
+            }
+            buf.extend_from_slice(chunk);
+            Ok(())
+        };
         match self {
             Response::Reqwest(mut response) => {
                 while let Some(chunk) = response
@@ -234,23 +242,16 @@ impl Response {
                     .await
                     .map_err(|e| transport_error(service, e.is_timeout(), e))?
                 {
-                    if buf.len() + chunk.len() > MAX_BODY_BYTES {
-                        return Err(too_large());
-                    }
-                    buf.extend_from_slice(&chunk);
+                    append(&chunk)?;
                 }
             }
             Response::Hyper(response) => {
                 let mut body = response.into_body();
                 while let Some(frame) = body.frame().await {
                     let frame = frame.map_err(|e| transport_error(service, timed_out(&e), e))?;
-                    let Ok(chunk) = frame.into_data() else {
-                        continue; // trailers
-                    };
-                    if buf.len() + chunk.len() > MAX_BODY_BYTES {
-                        return Err(too_large());
+                    if let Ok(chunk) = frame.into_data() {
+                        append(&chunk)?; // trailers are skipped
                     }
-                    buf.extend_from_slice(&chunk);
                 }
             }
         }
