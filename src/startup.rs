@@ -195,6 +195,7 @@ impl Application {
         } = self;
         let settings = Arc::clone(&state.settings);
         let server = &settings.server;
+        let max_hold = settings.admission.pushback_max_hold;
         telemetry::runtime::spawn_samplers(tasks.clone());
         // Until the API has drained: a scrape during the drain still sees it.
         let ops = tokio::spawn(serve_ops(
@@ -248,7 +249,7 @@ impl Application {
             };
             // The connection's pushback (`admission.pushback`): the edge decides when a 503 is
             // held, the IO wrapper below holds it.
-            let pushback = Arc::new(Pushback::new(server.write_timeout));
+            let pushback = Arc::new(Pushback::new(max_hold, server.write_timeout));
             let io = Pausable::new(stream, Arc::clone(&pushback));
             let service = router.clone().map_request(
                 move |mut req: axum::http::Request<hyper::body::Incoming>| {

@@ -411,12 +411,17 @@ pub struct AdmissionSettings {
     /// Longest wait for a permit before a 503.
     #[serde(with = "humantime_serde")]
     pub max_wait: Duration,
-    /// A client on HTTP/1 that comes back before its last 503's `Retry-After` (at most 2 s) and
-    /// is turned away again gets that 503 only when the `Retry-After` is over, so a client that
-    /// retries at once costs one rejection per pause, not one per retry; its retries are still
-    /// read and admitted at once when there is room. Turn off behind an L7 proxy that
-    /// multiplexes many clients onto one upstream connection.
+    /// A client on HTTP/1 that comes back before its last 503's `Retry-After` (at most
+    /// `pushback_max_hold`) and is turned away again gets that 503 only when the `Retry-After`
+    /// is over, so a client that retries at once costs one rejection per pause, not one per
+    /// retry; its retries are still read and admitted at once when there is room. Turn off
+    /// behind an L7 proxy that multiplexes many clients onto one upstream connection.
     pub pushback: bool,
+    /// The longest a held 503 waits (and so the longest pause a client that ignores
+    /// `Retry-After` is given), at most half of `server.write_timeout`: a held write must not
+    /// look like a stuck client. Rejections cost at most one per connection per this long.
+    #[serde(with = "humantime_serde")]
+    pub pushback_max_hold: Duration,
     /// Per-group overrides; keys are `dashboard` and `orders`.
     pub groups: BTreeMap<RouteGroup, AdmissionGroupSettings>,
     pub adaptive: AdaptiveSettings,
@@ -444,6 +449,7 @@ impl Default for AdmissionSettings {
             max_in_flight: nonzero(2000),
             max_wait: Duration::from_millis(100),
             pushback: true,
+            pushback_max_hold: Duration::from_secs(2),
             groups: BTreeMap::new(),
             adaptive: AdaptiveSettings::default(),
             shedding_turns_unready: false,

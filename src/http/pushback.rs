@@ -7,7 +7,7 @@
 //! connections the rejections alone take the core, and the requests it admitted starve.
 //!
 //! So each HTTP/1 connection remembers until when its last 503 asked it to stay away
-//! (`Retry-After`, at most [`MAX_PAUSE`]). A request that arrives within that time is still read
+//! (`Retry-After`, at most `admission.pushback_max_hold`). A request that arrives within that time is still read
 //! and decided at once, so if there is room it is admitted and answered without delay; only if
 //! it is turned away again is its 503 **held** until the time the client was asked to wait for,
 //! and the next stay-away counts from then. A client that ignores `Retry-After` therefore costs
@@ -40,14 +40,11 @@ use tokio::{
     time::{Instant, Sleep},
 };
 
-/// The longest a client is asked to stay away after one rejection, and so the longest a held
-/// answer waits.
-pub(crate) const MAX_PAUSE: Duration = Duration::from_secs(2);
-
 /// A connection's pushback state, shared by its IO wrapper and the requests it carries.
 pub(crate) struct Pushback {
     epoch: Instant,
-    /// At most [`MAX_PAUSE`], and less than the connection's write timeout.
+    /// The longest a client is asked to stay away after one rejection, and so the longest a held
+    /// answer waits: `admission.pushback_max_hold`, at most half the connection's write timeout.
     max_pause: Duration,
     /// Nanoseconds after `epoch` until which the last 503 asked the client to stay away; 0 for
     /// none.
@@ -58,10 +55,10 @@ pub(crate) struct Pushback {
 
 impl Pushback {
     /// `write_timeout` is the connection's: a held write must not look like a stuck client.
-    pub(crate) fn new(write_timeout: Duration) -> Self {
+    pub(crate) fn new(max_hold: Duration, write_timeout: Duration) -> Self {
         Self {
             epoch: Instant::now(),
-            max_pause: MAX_PAUSE.min(write_timeout / 2),
+            max_pause: max_hold.min(write_timeout / 2),
             away_until: AtomicU64::new(0),
             hold_until: AtomicU64::new(0),
         }
@@ -192,12 +189,13 @@ mod tests {
     use super::*;
 
     const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+    const MAX_HOLD: Duration = Duration::from_secs(2);
     const RETRY_AFTER: Duration = Duration::from_millis(1500);
 
     #[tokio::test(start_paused = true)]
     async fn a_first_rejection_is_answered_at_once_and_reads_are_never_paused() {
         let (client, server) = tokio::io::duplex(1024);
-        let pushback = Arc::new(Pushback::new(WRITE_TIMEOUT));
+        let pushback = Arc::new(Pushback::new(MAX_HOLD, WRITE_TIMEOUT));
         let mut server = Pausable::new(server, Arc::clone(&pushback));
         let (mut client_rx, mut client_tx) = tokio::io::split(client);
 
@@ -227,7 +225,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_rejection_of_a_client_back_too_early_is_held_until_its_retry_after() {
         let (client, server) = tokio::io::duplex(1024);
-        let pushback = Arc::new(Pushback::new(WRITE_TIMEOUT));
+        let pushback = Arc::new(Pushback::new(MAX_HOLD, WRITE_TIMEOUT));
         let mut server = Pausable::new(server, Arc::clone(&pushback));
         let mut client = client;
         let first = Instant::now();
@@ -253,7 +251,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_client_that_waited_as_asked_is_not_held() {
-        let pushback = Pushback::new(WRITE_TIMEOUT);
+        let pushback = Pushback::new(MAX_HOLD, WRITE_TIMEOUT);
         assert!(!pushback.rejected(RETRY_AFTER));
         tokio::time::advance(RETRY_AFTER).await;
         assert!(
@@ -264,13 +262,22 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn the_stay_away_is_capped_by_max_pause_and_the_write_timeout() {
-        let pushback = Pushback::new(WRITE_TIMEOUT);
+    async fn the_stay_away_is_capped_by_the_max_hold_and_the_write_timeout() {
+        let pushback = Pushback::new(MAX_HOLD, WRITE_TIMEOUT);
         pushback.rejected(Duration::from_secs(30));
         assert!(pushback.rejected(Duration::from_secs(30)));
-        assert_eq!(pushback.held_until().unwrap() - Instant::now(), MAX_PAUSE);
+        assert_eq!(pushback.held_until().unwrap() - Instant::now(), MAX_HOLD);
 
-        let short = Pushback::new(Duration::from_millis(600));
+        let longer = Pushback::new(Duration::from_secs(4), WRITE_TIMEOUT);
+        longer.rejected(Duration::from_secs(30));
+        assert!(longer.rejected(Duration::from_secs(30)));
+        assert_eq!(
+            longer.held_until().unwrap() - Instant::now(),
+            Duration::from_secs(4),
+            "the configured hold, not a fixed one"
+        );
+
+        let short = Pushback::new(MAX_HOLD, Duration::from_millis(600));
         short.rejected(Duration::from_secs(30));
         assert!(short.rejected(Duration::from_secs(30)));
         assert_eq!(
