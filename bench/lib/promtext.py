@@ -28,6 +28,8 @@ HISTOGRAMS = {
 COUNTERS = [
     "tributary_http_requests_total",
     "tributary_admission_rejections_total",
+    # Cuts of the adaptive limit by cause (core / db_pool / both), in builds that count them.
+    "tributary_admission_limit_decreases_total",
     "tributary_ratelimit_rejections_total",
     "tributary_downstream_requests_total",
     "tributary_db_pool_acquire_timeouts_total",

@@ -305,13 +305,18 @@ pub(crate) const REJECTIONS: Family = Family::counter(
     "tributary_admission_rejections_total",
     "Requests rejected with 503 by admission control, by group and reason (overloaded: no permit and waiting could not help; queue_timeout: waited max_wait).",
 );
+pub(crate) const DECREASES: Family = Family::counter(
+    "tributary_admission_limit_decreases_total",
+    "Cuts of the adaptive limit, by group and cause (core: the runtime's queueing delay was over target; db_pool: every wait for a database connection was; both).",
+);
 pub(crate) const SHEDDING: Family = Family::gauge(
     "tributary_admission_shedding",
     "1 while admission has been shedding heavily (with admission.shedding_turns_unready, readiness is then false), else 0.",
 );
 
 /// The families this module records.
-pub(crate) const FAMILIES: &[Family] = &[PERMITS_IN_USE, LIMIT, WAIT, REJECTIONS, SHEDDING];
+pub(crate) const FAMILIES: &[Family] =
+    &[PERMITS_IN_USE, LIMIT, WAIT, REJECTIONS, DECREASES, SHEDDING];
 
 /// One route group's instruments.
 struct Instruments {
@@ -319,6 +324,8 @@ struct Instruments {
     limit: Gauge,
     wait: Histogram,
     rejected: [Counter; 2],
+    /// By cause: the core, the database pool, both.
+    decreases: [Counter; 3],
 }
 
 impl Instruments {
@@ -330,11 +337,17 @@ impl Instruments {
             // Present from the start, so `rate()` sees the first increase.
             c.increment(0);
         }
+        let decreases = ["core", "db_pool", "both"]
+            .map(|cause| metrics::counter!(DECREASES.name, "group" => group, "cause" => cause));
+        for c in &decreases {
+            c.increment(0);
+        }
         Self {
             in_use: metrics::gauge!(PERMITS_IN_USE.name, "group" => group),
             limit: metrics::gauge!(LIMIT.name, "group" => group),
             wait: metrics::histogram!(WAIT.name, "group" => group),
             rejected,
+            decreases,
         }
     }
 }
@@ -553,8 +566,9 @@ impl Limiter {
         }
         drop(rate);
         if let Controller::QueueDelay(c) = &self.controller {
+            let core = self.queue_delay.is_saturated();
             let seen = Interval {
-                saturated: self.queue_delay.is_saturated() || inner_standing,
+                saturated: core || inner_standing,
                 delay: self.queue_delay.current(),
                 peak_in_flight: peak,
                 limited,
@@ -564,6 +578,15 @@ impl Limiter {
                 .unwrap_or_else(|p| p.into_inner())
                 .update(now, seen);
             if let Some(new_limit) = new_limit {
+                if new_limit < self.limit() {
+                    // Which queue said "too much": the answer to "why did the limit go down?".
+                    let cause = match (core, inner_standing) {
+                        (true, false) => 0,
+                        (false, true) => 1,
+                        _ => 2,
+                    };
+                    self.metrics.decreases[cause].increment(1);
+                }
                 self.set_limit(new_limit);
             }
         }
