@@ -34,6 +34,10 @@
 //! marks the start of the measured `--duration` (so a caller can take its own snapshots then).
 //! Requests still in flight when it ends are counted as `in_flight_at_end`, not as errors. A response with `Connection: close`
 //! (or a connection the server closed) makes the client reconnect; that is counted, not an error.
+//! A request that never left because the kept-alive connection it was given had just been closed
+//! by the server (its idle timeout racing the reuse) is sent once more on a new connection, as
+//! real clients do (hyper-util's pool, RFC 9112 §9.3.1); that is counted as `stale_retries`, not
+//! as a write error.
 //! Besides the totals, `series` has the same outcomes per second of the measured window (by the
 //! second an answer arrived) with the requests sent and the most connections open in that
 //! second, so a spike can be read over time.
@@ -144,6 +148,8 @@ struct Stats {
     sent: u64,
     unsent: u64,
     reconnects: u64,
+    /// Requests sent again on a new connection after their kept-alive one was found closed.
+    stale_retries: u64,
     connections_opened: u64,
     connections_max: usize,
     open: usize,
@@ -187,6 +193,7 @@ impl Stats {
             sent: 0,
             unsent: 0,
             reconnects: 0,
+            stale_retries: 0,
             connections_opened: 0,
             connections_max: 0,
             open: 0,
@@ -415,6 +422,38 @@ async fn exchange(shared: &Shared, sender: &mut SendRequest<Empty<Bytes>>) -> Op
     }
 }
 
+/// [`exchange`], and once more on a new connection when `reused` (a kept-alive connection) turned
+/// out closed before the request left: the server's idle timeout closed it as the client picked
+/// it. The request never reached the server, so this is the client's race, not a socket error of
+/// the server under test. The new connection replaces `conn`.
+async fn exchange_fresh_if_stale(
+    shared: &Shared,
+    conn: &mut SendRequest<Empty<Bytes>>,
+    reused: bool,
+) -> Option<Answer> {
+    let answer = exchange(shared, conn).await?;
+    if !reused || !matches!(answer.outcome, Outcome::Write) {
+        return Some(answer);
+    }
+    match tokio::time::timeout_at(shared.deadline, connect(shared)).await {
+        Ok(Ok(fresh)) => {
+            *conn = fresh;
+            {
+                let mut stats = shared.stats();
+                stats.stale_retries += 1;
+                stats.connections_opened += 1;
+            }
+            exchange(shared, conn).await
+        }
+        Ok(Err(_)) => Some(Answer {
+            outcome: Outcome::Connect,
+            reusable: false,
+            retry_after: None,
+        }),
+        Err(_) => None,
+    }
+}
+
 /// A 200 is degraded when the dashboard's `"degraded":[...]` list (after every part; only
 /// `stale` follows it) names a part.
 fn is_degraded(body: &[u8]) -> bool {
@@ -431,6 +470,7 @@ async fn closed_loop(shared: Arc<Shared>, honour: bool, until: Instant) {
     let until = until.min(shared.deadline);
     while Instant::now() < until {
         let started = Instant::now();
+        let reused = sender.is_some();
         let mut conn = match sender.take() {
             Some(s) => s,
             None => match tokio::time::timeout_at(shared.deadline, connect(&shared)).await {
@@ -447,7 +487,7 @@ async fn closed_loop(shared: Arc<Shared>, honour: bool, until: Instant) {
             },
         };
         shared.stats().send();
-        let Some(answer) = exchange(&shared, &mut conn).await else {
+        let Some(answer) = exchange_fresh_if_stale(&shared, &mut conn, reused).await else {
             return;
         };
         let latency = started.elapsed();
@@ -495,6 +535,7 @@ async fn spike(shared: Arc<Shared>, extra: usize, start: Instant, length: Durati
 
 /// One open-loop request, scheduled for `at`, on `sender` or on a new connection.
 async fn open_request(shared: Arc<Shared>, at: Instant, sender: Option<SendRequest<Empty<Bytes>>>) {
+    let reused = sender.is_some();
     let mut conn = match sender {
         Some(s) => s,
         None => match tokio::time::timeout_at(shared.deadline, connect(&shared)).await {
@@ -509,7 +550,7 @@ async fn open_request(shared: Arc<Shared>, at: Instant, sender: Option<SendReque
         },
     };
     shared.stats().send();
-    let answer = exchange(&shared, &mut conn).await;
+    let answer = exchange_fresh_if_stale(&shared, &mut conn, reused).await;
     let mut stats = shared.stats();
     match answer {
         Some(a) if a.reusable => {
@@ -675,6 +716,7 @@ async fn main() -> anyhow::Result<()> {
         "connections_opened": s.connections_opened,
         "connections_max": s.connections_max,
         "reconnects": s.reconnects,
+        "stale_retries": s.stale_retries,
         "retry_after": {"waits": s.retry_after_waits, "missing": s.retry_after_missing, "wait_s": s.retry_after_wait_s},
         "ids": {"max": args.id_max, "zipf": args.zipf},
         "spike": args.spike_to.map(|to| json!({"to": to, "at_s": args.spike_at, "for_s": args.spike_for})),
@@ -695,9 +737,85 @@ async fn main() -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Ids, Outcome, Stats, is_degraded};
-    use std::time::Duration;
-    use tokio::time::Instant;
+    use super::{Ids, Outcome, Shared, Stats, connect, exchange_fresh_if_stale, is_degraded};
+    use std::{sync::Mutex, time::Duration};
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        time::Instant,
+    };
+
+    /// A server that answers one request per connection with a kept-alive 200 and then closes
+    /// the connection, as a server does whose idle timeout fires right after an answer.
+    async fn one_answer_per_connection() -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 1024];
+                    let mut head = Vec::new();
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        let Ok(n) = socket.read(&mut buf).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        head.extend_from_slice(&buf[..n]);
+                    }
+                    let _ = socket
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                        .await;
+                    // Dropped: closed after the answer, without `Connection: close`.
+                });
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn a_request_on_a_kept_alive_connection_the_server_closed_goes_out_on_a_new_one() {
+        let addr = one_answer_per_connection().await;
+        let shared = Shared {
+            addr,
+            host: addr.to_string(),
+            template: "/".into(),
+            ids: Ids::new(1, None),
+            timeout: Duration::from_secs(5),
+            deadline: Instant::now() + Duration::from_secs(30),
+            stats: Mutex::new(Stats::new(Instant::now())),
+            idle: Mutex::new(Vec::new()),
+        };
+        let mut conn = connect(&shared).await.unwrap();
+        let first = exchange_fresh_if_stale(&shared, &mut conn, false)
+            .await
+            .unwrap();
+        assert!(matches!(first.outcome, Outcome::Full));
+        // The server has closed it by the time the client reuses it.
+        let closed_by = Instant::now() + Duration::from_secs(5);
+        while !conn.is_closed() && Instant::now() < closed_by {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let stale = exchange_fresh_if_stale(&shared, &mut conn, true)
+            .await
+            .unwrap();
+        assert!(
+            matches!(stale.outcome, Outcome::Full),
+            "sent again on a new connection, not a write error"
+        );
+        assert_eq!(shared.stats().stale_retries, 1);
+        // On a connection that was not kept alive from an earlier answer nothing is retried:
+        // a failure there is the server's.
+        let closed_by = Instant::now() + Duration::from_secs(5);
+        while !conn.is_closed() && Instant::now() < closed_by {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let fresh = exchange_fresh_if_stale(&shared, &mut conn, false)
+            .await
+            .unwrap();
+        assert!(matches!(fresh.outcome, Outcome::Write));
+        assert_eq!(shared.stats().stale_retries, 1);
+    }
 
     #[test]
     fn zipf_ids_follow_their_weights_and_stay_in_range() {
