@@ -22,17 +22,30 @@ loadgen="$(bench_example_bin loadgen)"
 tributary="$(bench_gateway_bin tributary)"
 
 # Settings of each configuration (environment only: the admission code may change under it).
+# A name joined with `+` (e.g. `static-270+hold5`) takes the settings of each part.
 config_env() {
+  if [[ "$1" == *+* ]]; then
+    local part
+    for part in ${1//+/ }; do config_env "$part"; done | xargs
+    return
+  fi
   case "$1" in
     none) echo "TRIBUTARY_ADMISSION__ENABLED=false" ;;
     reports) echo "TRIBUTARY_ADMISSION__MODE=static TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=2000 TRIBUTARY_ADMISSION__MAX_WAIT=100ms" ;;
     capacity) echo "TRIBUTARY_ADMISSION__MODE=static TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=$capacity_limit" ;;
     default) echo "" ;;
     # Experiments, not in the default plan (name them in BENCH_CONFIGS): the shipped defaults with
-    # the admission limit blind to the database pool's line, or with a 10 ms queueing-delay target.
+    # the admission limit blind to the database pool's line, with a 10 ms queueing-delay target,
+    # or with pushback holding a 503 for at most 2 s or 5 s.
     pool-blind) echo "TRIBUTARY_OVERLOAD__FOLLOW_DB_POOL=false" ;;
     target10) echo "TRIBUTARY_OVERLOAD__QUEUE_DELAY_TARGET=10ms" ;;
-    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10)"; exit 2 ;;
+    hold2) echo "TRIBUTARY_ADMISSION__PUSHBACK_MAX_HOLD=2s" ;;
+    hold5) echo "TRIBUTARY_ADMISSION__PUSHBACK_MAX_HOLD=5s" ;;
+    # target-N: the shipped defaults with an N ms queueing-delay target.
+    target-[0-9]*) echo "TRIBUTARY_OVERLOAD__QUEUE_DELAY_TARGET=${1#target-}ms" ;;
+    # static-N: a static limit of N permits (the shipped wait), to compare with a learnt one.
+    static-[0-9]*) echo "TRIBUTARY_ADMISSION__MODE=static TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=${1#static-}" ;;
+    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, target-N, static-N)"; exit 2 ;;
   esac
 }
 

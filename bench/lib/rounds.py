@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Medians over repeated short runs of `overload-curve`, one table row per configuration and point.
+
+The overload curve runs each point once; on a shared VM one point's goodput moves by ±20 %, so an
+experiment that compares configurations runs the scenario several times (one BENCH_OUT per round,
+the configurations' order reversed every other round) and reads the medians:
+
+    for i in 1 2 3; do BENCH_OUT=/tmp/exp-$i BENCH_CONFIGS="default static-270" \\
+      BENCH_CLOSED="1000 10000" BENCH_OPEN="5" BENCH_RETRY=" " \\
+      BENCH_CAPACITY_RPS=1400 BENCH_CAPACITY_LATENCY_MS=104 bench/run overload-curve; done
+    bench/lib/rounds.py /tmp/exp-1 /tmp/exp-2 /tmp/exp-3
+
+Per row: full-200 req/s (median, then every round's), the mean admission limit over the run, the
+p99 of full 200s, 503s per second, the database pool's mean acquire wait, the adaptive limit's
+cuts by cause (`tributary_admission_limit_decreases_total`, summed over the rounds; `–` for a
+static limit) and how many rounds the measurement flagged as disturbed.
+"""
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def row_of(path: Path) -> tuple[str, dict]:
+    d = json.loads(path.read_text())
+    m = d["metrics"]
+    limits = [g["admission_limit_dashboard"] for g in m.get("gauge_series", []) if g.get("admission_limit_dashboard")]
+    cuts = m.get("tributary_admission_limit_decreases_total", {})
+    by_cause = defaultdict(int)
+    for labels, n in cuts.items():
+        cause = dict(kv.split("=", 1) for kv in labels.split(","))["cause"]
+        by_cause[cause] += n
+    pool = m.get("tributary_db_pool_acquire_wait_seconds", {}).get("all", {})
+    return path.stem.rsplit("-r", 1)[0], {
+        "goodput": d["goodput"]["full_rps"],
+        "limit": sum(limits) / len(limits) if limits else None,
+        "p99": d["latency_ms"].get("p99"),
+        "rejected_per_s": d["goodput"]["rejected_503"] / d["duration_s"],
+        "pool_wait_ms": pool.get("mean_ms"),
+        "cuts": dict(by_cause) if "tributary_admission_limit_decreases_total" in m else None,
+        "disturbed": bool(d["conditions"]["disturbed"]),
+    }
+
+
+def fmt(x, pattern="{:,.0f}"):
+    return "–" if x is None else pattern.format(x)
+
+
+def main(dirs: list[str]) -> None:
+    rows = defaultdict(list)
+    for d in dirs:
+        for path in sorted(Path(d, "overload-curve", "runs").glob("*.json")):
+            name, row = row_of(path)
+            rows[name].append(row)
+    print("| configuration and point | full 200/s median | each round | mean limit | p99 ms | 503/s | pool wait ms | cuts core / db_pool / both | disturbed |")
+    print("|---|---:|---|---:|---:|---:|---:|---|---:|")
+    for name in sorted(rows):
+        rs = rows[name]
+        med = lambda k: statistics.median([r[k] for r in rs]) if all(r[k] is not None for r in rs) else None  # noqa: E731
+        cuts = "–"
+        if all(r["cuts"] is not None for r in rs):
+            total = defaultdict(int)
+            for r in rs:
+                for k, v in r["cuts"].items():
+                    total[k] += v
+            cuts = " / ".join(str(total.get(k, 0)) for k in ("core", "db_pool", "both"))
+        print(f"| {name} | **{fmt(med('goodput'))}** | {', '.join(fmt(r['goodput']) for r in rs)} | {fmt(med('limit'))} "
+              f"| {fmt(med('p99'))} | {fmt(med('rejected_per_s'))} | {fmt(med('pool_wait_ms'), '{:.1f}')} | {cuts} "
+              f"| {sum(r['disturbed'] for r in rs)} of {len(rs)} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: bench/lib/rounds.py BENCH_OUT_DIR...")
+    main(sys.argv[1:])
