@@ -25,8 +25,9 @@ tributary="$(bench_gateway_bin tributary)"
 # A name joined with `+` (e.g. `static-270+hold5`) takes the settings of each part.
 config_env() {
   if [[ "$1" == *+* ]]; then
-    local part
-    for part in ${1//+/ }; do config_env "$part"; done | xargs
+    local part parts
+    IFS=+ read -r -a parts <<<"$1"
+    for part in "${parts[@]}"; do config_env "$part"; done | xargs
     return
   fi
   case "$1" in
