@@ -737,7 +737,10 @@ async fn main() -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Ids, Outcome, Shared, Stats, connect, exchange_fresh_if_stale, is_degraded};
+    use super::{
+        Bytes, Empty, Ids, Outcome, SendRequest, Shared, Stats, connect, exchange_fresh_if_stale,
+        is_degraded,
+    };
     use std::{sync::Mutex, time::Duration};
     use tokio::{
         io::{AsyncReadExt, AsyncWriteExt},
@@ -773,6 +776,14 @@ mod tests {
         addr
     }
 
+    /// Until the client has seen the server close `conn` (at most 5 s).
+    async fn closed(conn: &SendRequest<Empty<Bytes>>) {
+        let give_up = Instant::now() + Duration::from_secs(5);
+        while !conn.is_closed() && Instant::now() < give_up {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     #[tokio::test]
     async fn a_request_on_a_kept_alive_connection_the_server_closed_goes_out_on_a_new_one() {
         let addr = one_answer_per_connection().await;
@@ -792,10 +803,7 @@ mod tests {
             .unwrap();
         assert!(matches!(first.outcome, Outcome::Full));
         // The server has closed it by the time the client reuses it.
-        let closed_by = Instant::now() + Duration::from_secs(5);
-        while !conn.is_closed() && Instant::now() < closed_by {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        closed(&conn).await;
         let stale = exchange_fresh_if_stale(&shared, &mut conn, true)
             .await
             .unwrap();
@@ -806,10 +814,7 @@ mod tests {
         assert_eq!(shared.stats().stale_retries, 1);
         // On a connection that was not kept alive from an earlier answer nothing is retried:
         // a failure there is the server's.
-        let closed_by = Instant::now() + Duration::from_secs(5);
-        while !conn.is_closed() && Instant::now() < closed_by {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        closed(&conn).await;
         let fresh = exchange_fresh_if_stale(&shared, &mut conn, false)
             .await
             .unwrap();
