@@ -281,6 +281,36 @@ impl Reason {
     }
 }
 
+/// Which queue made the adaptive limit go down; also the `cause` metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    /// The runtime's queueing delay was over target.
+    Core = 0,
+    /// Every wait for a database connection was over it.
+    DbPool = 1,
+    Both = 2,
+}
+
+impl Cause {
+    const ALL: [Cause; 3] = [Cause::Core, Cause::DbPool, Cause::Both];
+
+    fn of(core: bool, db_pool: bool) -> Self {
+        match (core, db_pool) {
+            (true, false) => Cause::Core,
+            (false, true) => Cause::DbPool,
+            _ => Cause::Both,
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Cause::Core => "core",
+            Cause::DbPool => "db_pool",
+            Cause::Both => "both",
+        }
+    }
+}
+
 /// The synchronous half of admission.
 pub(crate) enum Decision {
     Admitted(Permit),
@@ -324,7 +354,7 @@ struct Instruments {
     limit: Gauge,
     wait: Histogram,
     rejected: [Counter; 2],
-    /// By cause: the core, the database pool, both.
+    /// Indexed by [`Cause`].
     decreases: [Counter; 3],
 }
 
@@ -337,8 +367,8 @@ impl Instruments {
             // Present from the start, so `rate()` sees the first increase.
             c.increment(0);
         }
-        let decreases = ["core", "db_pool", "both"]
-            .map(|cause| metrics::counter!(DECREASES.name, "group" => group, "cause" => cause));
+        let decreases = Cause::ALL
+            .map(|c| metrics::counter!(DECREASES.name, "group" => group, "cause" => c.as_str()));
         for c in &decreases {
             c.increment(0);
         }
@@ -580,12 +610,7 @@ impl Limiter {
             if let Some(new_limit) = new_limit {
                 if new_limit < self.limit() {
                     // Which queue said "too much": the answer to "why did the limit go down?".
-                    let cause = match (core, inner_standing) {
-                        (true, false) => 0,
-                        (false, true) => 1,
-                        _ => 2,
-                    };
-                    self.metrics.decreases[cause].increment(1);
+                    self.metrics.decreases[Cause::of(core, inner_standing) as usize].increment(1);
                 }
                 self.set_limit(new_limit);
             }

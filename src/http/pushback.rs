@@ -263,27 +263,30 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_stay_away_is_capped_by_the_max_hold_and_the_write_timeout() {
-        let pushback = Pushback::new(MAX_HOLD, WRITE_TIMEOUT);
-        pushback.rejected(Duration::from_secs(30));
-        assert!(pushback.rejected(Duration::from_secs(30)));
-        assert_eq!(pushback.held_until().unwrap() - Instant::now(), MAX_HOLD);
-
-        let longer = Pushback::new(Duration::from_secs(4), WRITE_TIMEOUT);
-        longer.rejected(Duration::from_secs(30));
-        assert!(longer.rejected(Duration::from_secs(30)));
-        assert_eq!(
-            longer.held_until().unwrap() - Instant::now(),
-            Duration::from_secs(4),
-            "the configured hold, not a fixed one"
-        );
-
-        let short = Pushback::new(MAX_HOLD, Duration::from_millis(600));
-        short.rejected(Duration::from_secs(30));
-        assert!(short.rejected(Duration::from_secs(30)));
-        assert_eq!(
-            short.held_until().unwrap() - Instant::now(),
-            Duration::from_millis(300),
-            "half the write timeout, so a held answer is never taken for a stuck client"
-        );
+        let cases = [
+            (MAX_HOLD, WRITE_TIMEOUT, MAX_HOLD, "the default hold"),
+            (
+                Duration::from_secs(4),
+                WRITE_TIMEOUT,
+                Duration::from_secs(4),
+                "the configured hold, not a fixed one",
+            ),
+            (
+                MAX_HOLD,
+                Duration::from_millis(600),
+                Duration::from_millis(300),
+                "half the write timeout, so a held answer is never taken for a stuck client",
+            ),
+        ];
+        for (max_hold, write_timeout, held_for, why) in cases {
+            let pushback = Pushback::new(max_hold, write_timeout);
+            pushback.rejected(Duration::from_secs(30));
+            assert!(pushback.rejected(Duration::from_secs(30)), "{why}");
+            assert_eq!(
+                pushback.held_until().unwrap() - Instant::now(),
+                held_for,
+                "{why}"
+            );
+        }
     }
 }
