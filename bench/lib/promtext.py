@@ -30,6 +30,8 @@ COUNTERS = [
     "tributary_admission_rejections_total",
     # Cuts of the adaptive limit by cause (core / db_pool / both), in builds that count them.
     "tributary_admission_limit_decreases_total",
+    # Core-only cuts undone because the queue did not shorten, in builds that count them.
+    "tributary_admission_limit_cuts_undone_total",
     "tributary_ratelimit_rejections_total",
     "tributary_downstream_requests_total",
     "tributary_db_pool_acquire_timeouts_total",

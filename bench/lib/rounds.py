@@ -13,7 +13,8 @@ the configurations' order reversed every other round) and reads the medians:
 Per row: full-200 req/s (median, then every round's), the mean admission limit over the run, the
 p99 of full 200s, 503s per second, the database pool's mean acquire wait, the adaptive limit's
 cuts by cause (`tributary_admission_limit_decreases_total`, summed over the rounds; `–` for a
-static limit) and how many rounds the measurement flagged as disturbed.
+static limit; in builds that undo core cuts that did not shorten the queue, how many were
+undone) and how many rounds the measurement flagged as disturbed.
 """
 
 import json
@@ -32,6 +33,9 @@ def row_of(path: Path) -> tuple[str, dict]:
     for labels, n in cuts.items():
         cause = dict(kv.split("=", 1) for kv in labels.split(","))["cause"]
         by_cause[cause] += n
+    undone = m.get("tributary_admission_limit_cuts_undone_total")
+    if undone is not None:
+        by_cause["undone"] = sum(undone.values())
     pool = m.get("tributary_db_pool_acquire_wait_seconds", {}).get("all", {})
     return path.stem.rsplit("-r", 1)[0], {
         "goodput": d["goodput"]["full_rps"],
@@ -66,6 +70,8 @@ def main(dirs: list[str]) -> None:
                 for k, v in r["cuts"].items():
                     total[k] += v
             cuts = " / ".join(str(total.get(k, 0)) for k in ("core", "db_pool", "both"))
+            if "undone" in total:
+                cuts += f" ({total['undone']} undone)"
         print(f"| {name} | **{fmt(med('goodput'))}** | {', '.join(fmt(r['goodput']) for r in rs)} | {fmt(med('limit'))} "
               f"| {fmt(med('p99'))} | {fmt(med('rejected_per_s'))} | {fmt(med('pool_wait_ms'), '{:.1f}')} | {cuts} "
               f"| {sum(r['disturbed'] for r in rs)} of {len(rs)} |")

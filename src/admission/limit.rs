@@ -20,7 +20,9 @@ use crate::config::AdaptiveSettings;
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Interval {
     /// The runtime was saturated (queueing delay over target with busy workers).
-    pub(crate) saturated: bool,
+    pub(crate) core: bool,
+    /// An inner queue of admitted requests (the database pool's) stood over the target.
+    pub(crate) inner: bool,
     /// The last window's minimum queueing delay.
     pub(crate) delay: Duration,
     /// The most permits held at once during the interval.
@@ -36,6 +38,16 @@ pub(crate) struct Interval {
 /// - not saturated and the limit is what stopped requests: grow, × 1.1 while the delay is under
 ///   half the target, by √limit (gently) closer to it;
 /// - otherwise hold: an application-limited gateway learns nothing about its capacity.
+///
+/// **A cut made for the core's queue alone must shorten it** (`overload.check_core_cuts`). The
+/// core's queue is not only admitted work: under a heavy overload the requests turned away at
+/// the door (each a read, a decision and a write) keep it over the target whatever the limit
+/// is, and every cut then removes admitted work, goodput with it, and shortens nothing (the
+/// lab's `admission-knee` experiment: ~5,000 rejections a second walked the limit 20–40 %
+/// under the knee). So when the next cut falls due, the last one is judged: if the queue did
+/// not shrink by a tenth, it is undone and the core's queue is left out of the decision for
+/// [`QueueDelayLimit::IGNORE_CORE_FOR`], after which a cut is tried again. Cuts for a standing
+/// inner queue (the database pool's) are never judged: only admitted requests stand in it.
 pub(crate) struct QueueDelayLimit {
     min: f64,
     max: f64,
@@ -44,6 +56,21 @@ pub(crate) struct QueueDelayLimit {
     last_decrease: Option<Instant>,
     /// EWMA of how long requests hold their permit.
     hold: Option<Duration>,
+    /// Whether core-only cuts are judged (`overload.check_core_cuts`).
+    check_core_cuts: bool,
+    /// The last cut made for the core's queue alone, until it is judged.
+    trial: Option<Trial>,
+    /// Until then the core's queue does not move the limit (its last cut did not shorten it).
+    ignore_core_until: Option<Instant>,
+    /// Whether the last [`QueueDelayLimit::update`] undid a cut.
+    undid_last_cut: bool,
+}
+
+/// A cut on trial: the limit before it and the queueing delay that called for it.
+#[derive(Debug, Clone, Copy)]
+struct Trial {
+    limit_before: f64,
+    delay: Duration,
 }
 
 impl QueueDelayLimit {
@@ -53,8 +80,13 @@ impl QueueDelayLimit {
     const DEFAULT_HOLD: Duration = Duration::from_millis(100);
     /// Decreases are never closer together than this, however short requests are.
     const MIN_DECREASE_GAP: Duration = Duration::from_millis(100);
+    /// A cut for the core's queue is kept when the queue shrank to at most this share of the
+    /// delay that called for it.
+    const RELIEF: f64 = 0.9;
+    /// How long the core's queue is left out after a cut that did not shorten it.
+    pub(crate) const IGNORE_CORE_FOR: Duration = Duration::from_secs(1);
 
-    pub(crate) fn new(s: &AdaptiveSettings, target: Duration) -> Self {
+    pub(crate) fn new(s: &AdaptiveSettings, target: Duration, check_core_cuts: bool) -> Self {
         let min = s.min_limit.get() as f64;
         let max = (s.max_limit as f64).max(min);
         Self {
@@ -64,7 +96,17 @@ impl QueueDelayLimit {
             limit: (s.initial_limit as f64).clamp(min, max),
             last_decrease: None,
             hold: None,
+            check_core_cuts,
+            trial: None,
+            ignore_core_until: None,
+            undid_last_cut: false,
         }
+    }
+
+    /// Whether the last [`QueueDelayLimit::update`] undid a cut that did not shorten the core's
+    /// queue (its new limit is then the one before that cut).
+    pub(crate) fn undid_last_cut(&self) -> bool {
+        self.undid_last_cut
     }
 
     pub(crate) fn limit(&self) -> usize {
@@ -82,7 +124,14 @@ impl QueueDelayLimit {
     /// Closes one control interval at `now`; returns the new limit if it moved.
     pub(crate) fn update(&mut self, now: Instant, seen: Interval) -> Option<usize> {
         let before = self.limit();
-        if seen.saturated {
+        self.undid_last_cut = false;
+        if !seen.core {
+            // The core's queue fell under the target: whatever cut was on trial worked.
+            self.trial = None;
+        }
+        let ignoring_core = self.ignore_core_until.is_some_and(|t| now < t);
+        let core = seen.core && !ignoring_core;
+        if core || seen.inner {
             let gap = self
                 .hold
                 .unwrap_or(Self::DEFAULT_HOLD)
@@ -91,9 +140,29 @@ impl QueueDelayLimit {
                 .last_decrease
                 .is_none_or(|t| now.saturating_duration_since(t) >= gap);
             if due && seen.peak_in_flight as f64 >= self.limit * 0.5 {
-                self.limit = (self.limit * Self::DECREASE).max(self.min);
-                self.last_decrease = Some(now);
+                match self.trial.take() {
+                    // The last cut was for the core's queue alone and it is still all that
+                    // stands: it had a hold time to show, and it did not shorten the queue.
+                    Some(t) if !seen.inner && seen.delay > t.delay.mul_f64(Self::RELIEF) => {
+                        self.limit = t.limit_before.min(self.max);
+                        self.ignore_core_until = Some(now + Self::IGNORE_CORE_FOR);
+                        self.undid_last_cut = true;
+                    }
+                    _ => {
+                        if self.check_core_cuts && !seen.inner {
+                            self.trial = Some(Trial {
+                                limit_before: self.limit,
+                                delay: seen.delay,
+                            });
+                        }
+                        self.limit = (self.limit * Self::DECREASE).max(self.min);
+                        self.last_decrease = Some(now);
+                    }
+                }
             }
+        } else if seen.core {
+            // Saturated, but the core's queue is being ignored: hold. Growing here would add
+            // admitted work to a queue that is already over the target.
         } else if seen.limited {
             self.limit = if seen.delay < self.target / 2 {
                 self.limit * Self::FAST_INCREASE
@@ -226,7 +295,8 @@ mod tests {
             l.update(
                 *now,
                 Interval {
-                    saturated,
+                    core: saturated,
+                    inner: false,
                     delay,
                     peak_in_flight: l.limit(),
                     limited: true,
@@ -250,7 +320,7 @@ mod tests {
     fn the_limit_converges_on_the_cores_capacity_and_follows_a_step_change() {
         let mut s = settings();
         s.max_limit = 5000;
-        let mut l = QueueDelayLimit::new(&s, TARGET);
+        let mut l = QueueDelayLimit::new(&s, TARGET, true);
         let mut now = Instant::now();
         // 3,000 req/s of CPU at 100 ms of I/O each: 300 in flight keep the core busy.
         run(&mut l, &mut now, 300.0, 200);
@@ -270,7 +340,7 @@ mod tests {
 
     #[test]
     fn it_stays_within_its_bounds() {
-        let mut l = QueueDelayLimit::new(&settings(), TARGET);
+        let mut l = QueueDelayLimit::new(&settings(), TARGET, true);
         let mut now = Instant::now();
         run(&mut l, &mut now, 5.0, 3000);
         assert_eq!(l.limit(), 10, "never below min_limit");
@@ -280,11 +350,12 @@ mod tests {
 
     #[test]
     fn it_decreases_at_most_once_per_permit_hold_time() {
-        let mut l = QueueDelayLimit::new(&settings(), TARGET);
+        let mut l = QueueDelayLimit::new(&settings(), TARGET, true);
         l.sample(Duration::from_millis(400));
         let now = Instant::now();
         let saturated = Interval {
-            saturated: true,
+            core: true,
+            inner: false,
             delay: Duration::from_millis(50),
             peak_in_flight: 100,
             limited: true,
@@ -296,16 +367,84 @@ mod tests {
             "the cut is not seen yet"
         );
         assert_eq!(l.update(now + TICK * 3, saturated), None);
-        assert_eq!(l.update(now + TICK * 4, saturated), Some(81));
+        let shorter = Interval {
+            delay: Duration::from_millis(40),
+            ..saturated
+        };
+        assert_eq!(
+            l.update(now + TICK * 4, shorter),
+            Some(81),
+            "the first cut shortened the queue: the next one is made"
+        );
+    }
+
+    /// A core whose queue is made of something the limit does not govern (the rejections of a
+    /// heavy overload): the queue stands at the same delay whatever the limit is, with the
+    /// limit in use. `inner_over`: the database pool's line stands once more than this many
+    /// are admitted.
+    fn run_foreign_queue(l: &mut QueueDelayLimit, now: &mut Instant, inner_over: usize) -> (usize, usize) {
+        let (mut lo, mut undone) = (usize::MAX, 0);
+        for _ in 0..600 {
+            l.sample(Duration::from_millis(150));
+            l.update(
+                *now,
+                Interval {
+                    core: true,
+                    inner: l.limit() > inner_over,
+                    delay: Duration::from_millis(30),
+                    peak_in_flight: l.limit(),
+                    limited: true,
+                },
+            );
+            undone += usize::from(l.undid_last_cut());
+            lo = lo.min(l.limit());
+            *now += TICK;
+        }
+        (lo, undone)
+    }
+
+    #[test]
+    fn a_cut_that_does_not_shorten_the_cores_queue_is_undone() {
+        let mut now = Instant::now();
+        let mut checked = QueueDelayLimit::new(&settings(), TARGET, true);
+        let (lo, undone) = run_foreign_queue(&mut checked, &mut now, usize::MAX);
+        assert!(
+            lo >= 90 && checked.limit() >= 90,
+            "one trial cut at a time, each undone: got down to {lo}, ended at {}",
+            checked.limit()
+        );
+        // One trial per second of being ignored plus a hold time to judge it: 60 s, ~50 trials.
+        assert!((40..=60).contains(&undone), "{undone} cuts undone in 60 s");
+
+        // Without the check every window over the target cuts, down to the floor.
+        let mut unchecked = QueueDelayLimit::new(&settings(), TARGET, false);
+        let (lo, undone) = run_foreign_queue(&mut unchecked, &mut now, usize::MAX);
+        assert_eq!((lo, undone), (10, 0), "unchecked: walked to min_limit");
+    }
+
+    #[test]
+    fn cuts_for_a_standing_inner_queue_are_never_undone() {
+        let mut now = Instant::now();
+        let mut l = QueueDelayLimit::new(&settings(), TARGET, true);
+        // The pool's line stands above 50 admitted: its cuts take the limit under it and keep
+        // it there, although the core's queue (not shortened by them) is as long as ever.
+        let (lo, _) = run_foreign_queue(&mut l, &mut now, 50);
+        assert!(lo <= 50, "got down to {lo}");
+        assert!(
+            (40..=55).contains(&l.limit()),
+            "held near the pool's knee, got {}",
+            l.limit()
+        );
     }
 
     #[test]
     fn it_does_not_move_when_it_is_not_what_limits() {
-        let mut l = QueueDelayLimit::new(&settings(), TARGET);
+        let mut l = QueueDelayLimit::new(&settings(), TARGET, true);
         let now = Instant::now();
         // Saturated by something else while few permits are held: cutting would not help.
         let bystander = Interval {
-            saturated: true,
+            core: true,
+            inner: false,
             delay: Duration::from_millis(50),
             peak_in_flight: 20,
             limited: false,
@@ -313,7 +452,8 @@ mod tests {
         assert_eq!(l.update(now, bystander), None);
         // Calm and nobody turned away: nothing to learn.
         let idle = Interval {
-            saturated: false,
+            core: false,
+            inner: false,
             delay: Duration::from_micros(100),
             peak_in_flight: 20,
             limited: false,

@@ -10,7 +10,9 @@
 //! - **the limit is learnt, not guessed** (`admission.mode = "adaptive"`, the default): it
 //!   follows the runtime's queueing delay ([`crate::overload`], [`limit::QueueDelayLimit`]), so
 //!   it settles where the core is just busy. A fixed 2,000 is ten times what one core carries,
-//!   and past that every admitted request queues for the CPU. `static` and `gradient2` remain;
+//!   and past that every admitted request queues for the CPU. A cut for the core's queue that
+//!   did not shorten it (a queue made of the rejections themselves) is undone
+//!   (`overload.check_core_cuts`). `static` and `gradient2` remain;
 //! - **a "no" costs almost nothing and comes at once when waiting cannot help**: while the
 //!   runtime is saturated, or more requests already wait than the recent release rate returns
 //!   within `max_wait`, a
@@ -105,7 +107,11 @@ impl Admission {
             let controller = match settings.admission.mode {
                 AdmissionMode::Static => Controller::Static(limit.get()),
                 AdmissionMode::Adaptive => Controller::QueueDelay(Mutex::new(
-                    QueueDelayLimit::new(&settings.admission.adaptive, queue_delay.target()),
+                    QueueDelayLimit::new(
+                        &settings.admission.adaptive,
+                        queue_delay.target(),
+                        settings.overload.check_core_cuts,
+                    ),
                 )),
                 AdmissionMode::Gradient2 => {
                     Controller::Gradient2(Mutex::new(Gradient2::new(&settings.admission.adaptive)))
@@ -339,6 +345,10 @@ pub(crate) const DECREASES: Family = Family::counter(
     "tributary_admission_limit_decreases_total",
     "Cuts of the adaptive limit, by group and cause (core: the runtime's queueing delay was over target; db_pool: every wait for a database connection was; both).",
 );
+pub(crate) const CUTS_UNDONE: Family = Family::counter(
+    "tributary_admission_limit_cuts_undone_total",
+    "Cuts of the adaptive limit for the core's queue alone that were undone because the queue did not shorten (overload.check_core_cuts).",
+);
 pub(crate) const SHEDDING: Family = Family::gauge(
     "tributary_admission_shedding",
     "1 while admission has been shedding heavily (with admission.shedding_turns_unready, readiness is then false), else 0.",
@@ -346,7 +356,7 @@ pub(crate) const SHEDDING: Family = Family::gauge(
 
 /// The families this module records.
 pub(crate) const FAMILIES: &[Family] =
-    &[PERMITS_IN_USE, LIMIT, WAIT, REJECTIONS, DECREASES, SHEDDING];
+    &[PERMITS_IN_USE, LIMIT, WAIT, REJECTIONS, DECREASES, CUTS_UNDONE, SHEDDING];
 
 /// One route group's instruments.
 struct Instruments {
@@ -356,6 +366,7 @@ struct Instruments {
     rejected: [Counter; 2],
     /// Indexed by [`Cause`].
     decreases: [Counter; 3],
+    cuts_undone: Counter,
 }
 
 impl Instruments {
@@ -372,12 +383,15 @@ impl Instruments {
         for c in &decreases {
             c.increment(0);
         }
+        let cuts_undone = metrics::counter!(CUTS_UNDONE.name, "group" => group);
+        cuts_undone.increment(0);
         Self {
             in_use: metrics::gauge!(PERMITS_IN_USE.name, "group" => group),
             limit: metrics::gauge!(LIMIT.name, "group" => group),
             wait: metrics::histogram!(WAIT.name, "group" => group),
             rejected,
             decreases,
+            cuts_undone,
         }
     }
 }
@@ -598,15 +612,19 @@ impl Limiter {
         if let Controller::QueueDelay(c) = &self.controller {
             let core = self.queue_delay.is_saturated();
             let seen = Interval {
-                saturated: core || inner_standing,
+                core,
+                inner: inner_standing,
                 delay: self.queue_delay.current(),
                 peak_in_flight: peak,
                 limited,
             };
-            let new_limit = c
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .update(now, seen);
+            let (new_limit, undone) = {
+                let mut c = c.lock().unwrap_or_else(|p| p.into_inner());
+                (c.update(now, seen), c.undid_last_cut())
+            };
+            if undone {
+                self.metrics.cuts_undone.increment(1);
+            }
             if let Some(new_limit) = new_limit {
                 if new_limit < self.limit() {
                     // Which queue said "too much": the answer to "why did the limit go down?".

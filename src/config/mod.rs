@@ -449,7 +449,7 @@ impl Default for AdmissionSettings {
             max_in_flight: nonzero(2000),
             max_wait: Duration::from_millis(100),
             pushback: true,
-            pushback_max_hold: Duration::from_secs(2),
+            pushback_max_hold: Duration::from_secs(5),
             groups: BTreeMap::new(),
             adaptive: AdaptiveSettings::default(),
             shedding_turns_unready: false,
@@ -475,6 +475,11 @@ pub struct OverloadSettings {
     /// the core's queue moves the limit, and requests admitted past what the pool serves wait
     /// for it (up to their deadline) and lose their database part instead of getting a 503.
     pub follow_db_pool: bool,
+    /// A cut of the adaptive limit made for the core's queue alone is undone when, a permit
+    /// hold later, the queue has not shortened (it is then made of something the limit does
+    /// not govern, such as the rejections themselves), and the core's queue is left out of the
+    /// decision for a second. False: every window over the target cuts.
+    pub check_core_cuts: bool,
 }
 
 impl Default for OverloadSettings {
@@ -482,6 +487,7 @@ impl Default for OverloadSettings {
         Self {
             queue_delay_target: Duration::from_millis(5),
             follow_db_pool: true,
+            check_core_cuts: true,
         }
     }
 }
