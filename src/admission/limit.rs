@@ -382,7 +382,11 @@ mod tests {
     /// heavy overload): the queue stands at the same delay whatever the limit is, with the
     /// limit in use. `inner_over`: the database pool's line stands once more than this many
     /// are admitted.
-    fn run_foreign_queue(l: &mut QueueDelayLimit, now: &mut Instant, inner_over: usize) -> (usize, usize) {
+    fn run_foreign_queue(
+        l: &mut QueueDelayLimit,
+        now: &mut Instant,
+        inner_over: usize,
+    ) -> (usize, usize) {
         let (mut lo, mut undone) = (usize::MAX, 0);
         for _ in 0..600 {
             l.sample(Duration::from_millis(150));

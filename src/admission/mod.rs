@@ -106,13 +106,13 @@ impl Admission {
             let (limit, max_wait) = settings.admission_for(group);
             let controller = match settings.admission.mode {
                 AdmissionMode::Static => Controller::Static(limit.get()),
-                AdmissionMode::Adaptive => Controller::QueueDelay(Mutex::new(
-                    QueueDelayLimit::new(
+                AdmissionMode::Adaptive => {
+                    Controller::QueueDelay(Mutex::new(QueueDelayLimit::new(
                         &settings.admission.adaptive,
                         queue_delay.target(),
                         settings.overload.check_core_cuts,
-                    ),
-                )),
+                    )))
+                }
                 AdmissionMode::Gradient2 => {
                     Controller::Gradient2(Mutex::new(Gradient2::new(&settings.admission.adaptive)))
                 }
@@ -355,8 +355,15 @@ pub(crate) const SHEDDING: Family = Family::gauge(
 );
 
 /// The families this module records.
-pub(crate) const FAMILIES: &[Family] =
-    &[PERMITS_IN_USE, LIMIT, WAIT, REJECTIONS, DECREASES, CUTS_UNDONE, SHEDDING];
+pub(crate) const FAMILIES: &[Family] = &[
+    PERMITS_IN_USE,
+    LIMIT,
+    WAIT,
+    REJECTIONS,
+    DECREASES,
+    CUTS_UNDONE,
+    SHEDDING,
+];
 
 /// One route group's instruments.
 struct Instruments {
