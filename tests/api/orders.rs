@@ -157,16 +157,26 @@ async fn oversized_bodies_are_413_and_unknown_orders_404() {
 
 #[tokio::test]
 async fn an_order_whose_statement_outlives_the_deadline_is_a_504_not_a_500() {
-    let app = spawn_app_with(|s| s.server.request_deadline = Duration::from_millis(500)).await;
+    let app = spawn_app_with(|s| s.server.request_deadline = Duration::from_secs(10)).await;
     // Another client holds the table: the gateway's statement waits until the server cancels
-    // it at its statement_timeout (the request's budget).
+    // it at its statement_timeout (the request's budget: the caller's 500 ms here, so the retry
+    // below runs under the gateway's 10 s and a loaded machine cannot time it out too).
     let mut locker = app.db.begin().await.unwrap();
     sqlx::query("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
         .execute(&mut *locker)
         .await
         .unwrap();
 
-    let (status, body) = problem(app.post_order(Some("k-slow"), &order(5)).await).await;
+    let slow = app
+        .client
+        .post(app.url("/api/v1/orders"))
+        .header("idempotency-key", "k-slow")
+        .header("x-request-budget-ms", "500")
+        .json(&order(5))
+        .send()
+        .await
+        .expect("request");
+    let (status, body) = problem(slow).await;
     locker.rollback().await.unwrap();
 
     assert_eq!(status, 504, "{body}");
