@@ -62,8 +62,20 @@ pub(crate) struct QueueDelayLimit {
     trial: Option<Trial>,
     /// Until then the core's queue does not move the limit (its last cut did not shorten it).
     ignore_core_until: Option<Instant>,
-    /// Whether the last [`QueueDelayLimit::update`] undid a cut.
-    undid_last_cut: bool,
+}
+
+/// What one control interval did to a [`QueueDelayLimit`]: the limiter counts each kind
+/// (a cut by the queue that called for it, an undone cut on its own counter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// The limit stayed where it was (to the permit).
+    Held,
+    /// Cut to this limit.
+    Cut(usize),
+    /// A cut that did not shorten the core's queue was undone: back to this limit.
+    Undone(usize),
+    /// Grew to this limit.
+    Grew(usize),
 }
 
 /// A cut on trial: the limit before it and the queueing delay that called for it.
@@ -99,14 +111,7 @@ impl QueueDelayLimit {
             check_core_cuts,
             trial: None,
             ignore_core_until: None,
-            undid_last_cut: false,
         }
-    }
-
-    /// Whether the last [`QueueDelayLimit::update`] undid a cut that did not shorten the core's
-    /// queue (its new limit is then the one before that cut).
-    pub(crate) fn undid_last_cut(&self) -> bool {
-        self.undid_last_cut
     }
 
     pub(crate) fn limit(&self) -> usize {
@@ -121,10 +126,9 @@ impl QueueDelayLimit {
         });
     }
 
-    /// Closes one control interval at `now`; returns the new limit if it moved.
-    pub(crate) fn update(&mut self, now: Instant, seen: Interval) -> Option<usize> {
+    /// Closes one control interval at `now`; says what it did to the limit.
+    pub(crate) fn update(&mut self, now: Instant, seen: Interval) -> Step {
         let before = self.limit();
-        self.undid_last_cut = false;
         if !seen.core {
             // The core's queue fell under the target: whatever cut was on trial worked.
             self.trial = None;
@@ -146,7 +150,7 @@ impl QueueDelayLimit {
                     Some(t) if !seen.inner && seen.delay > t.delay.mul_f64(Self::RELIEF) => {
                         self.limit = t.limit_before.min(self.max);
                         self.ignore_core_until = Some(now + Self::IGNORE_CORE_FOR);
-                        self.undid_last_cut = true;
+                        return Step::Undone(self.limit());
                     }
                     _ => {
                         if self.check_core_cuts && !seen.inner {
@@ -172,7 +176,11 @@ impl QueueDelayLimit {
             .min(self.max);
         }
         let after = self.limit();
-        (after != before).then_some(after)
+        match after.cmp(&before) {
+            std::cmp::Ordering::Less => Step::Cut(after),
+            std::cmp::Ordering::Equal => Step::Held,
+            std::cmp::Ordering::Greater => Step::Grew(after),
+        }
     }
 }
 
@@ -360,20 +368,20 @@ mod tests {
             peak_in_flight: 100,
             limited: true,
         };
-        assert_eq!(l.update(now, saturated), Some(90));
+        assert_eq!(l.update(now, saturated), Step::Cut(90));
         assert_eq!(
             l.update(now + TICK, saturated),
-            None,
+            Step::Held,
             "the cut is not seen yet"
         );
-        assert_eq!(l.update(now + TICK * 3, saturated), None);
+        assert_eq!(l.update(now + TICK * 3, saturated), Step::Held);
         let shorter = Interval {
             delay: Duration::from_millis(40),
             ..saturated
         };
         assert_eq!(
             l.update(now + TICK * 4, shorter),
-            Some(81),
+            Step::Cut(81),
             "the first cut shortened the queue: the next one is made"
         );
     }
@@ -390,7 +398,7 @@ mod tests {
         let (mut lo, mut undone) = (usize::MAX, 0);
         for _ in 0..600 {
             l.sample(Duration::from_millis(150));
-            l.update(
+            let step = l.update(
                 *now,
                 Interval {
                     core: true,
@@ -400,7 +408,7 @@ mod tests {
                     limited: true,
                 },
             );
-            undone += usize::from(l.undid_last_cut());
+            undone += usize::from(matches!(step, Step::Undone(_)));
             lo = lo.min(l.limit());
             *now += TICK;
         }
@@ -453,7 +461,7 @@ mod tests {
             peak_in_flight: 20,
             limited: false,
         };
-        assert_eq!(l.update(now, bystander), None);
+        assert_eq!(l.update(now, bystander), Step::Held);
         // Calm and nobody turned away: nothing to learn.
         let idle = Interval {
             core: false,
@@ -462,18 +470,18 @@ mod tests {
             peak_in_flight: 20,
             limited: false,
         };
-        assert_eq!(l.update(now + TICK, idle), None);
+        assert_eq!(l.update(now + TICK, idle), Step::Held);
         // Calm and limited: grow fast while the queue is short, gently near the target.
         let limited = Interval {
             limited: true,
             ..idle
         };
-        assert_eq!(l.update(now + TICK * 2, limited), Some(110));
+        assert_eq!(l.update(now + TICK * 2, limited), Step::Grew(110));
         let near = Interval {
             delay: Duration::from_millis(4),
             ..limited
         };
-        assert_eq!(l.update(now + TICK * 3, near), Some(120));
+        assert_eq!(l.update(now + TICK * 3, near), Step::Grew(120));
     }
 
     /// Feeds `windows` windows of requests at a fixed latency with the limit saturated.

@@ -54,7 +54,7 @@ use crate::{
     overload::{QueueDelay, StandingQueue},
     telemetry::Family,
 };
-use limit::{Gradient2, Interval, QueueDelayLimit};
+use limit::{Gradient2, Interval, QueueDelayLimit, Step};
 
 /// How often the adaptive limit is updated and the wait queue's state reconsidered.
 const CONTROL_INTERVAL: Duration = Duration::from_millis(100);
@@ -625,19 +625,22 @@ impl Limiter {
                 peak_in_flight: peak,
                 limited,
             };
-            let (new_limit, undone) = {
-                let mut c = c.lock().unwrap_or_else(|p| p.into_inner());
-                (c.update(now, seen), c.undid_last_cut())
-            };
-            if undone {
-                self.metrics.cuts_undone.increment(1);
-            }
-            if let Some(new_limit) = new_limit {
-                if new_limit < self.limit() {
+            let step = c
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .update(now, seen);
+            match step {
+                Step::Held => {}
+                Step::Cut(limit) => {
                     // Which queue said "too much": the answer to "why did the limit go down?".
                     self.metrics.decreases[Cause::of(core, inner_standing) as usize].increment(1);
+                    self.set_limit(limit);
                 }
-                self.set_limit(new_limit);
+                Step::Undone(limit) => {
+                    self.metrics.cuts_undone.increment(1);
+                    self.set_limit(limit);
+                }
+                Step::Grew(limit) => self.set_limit(limit),
             }
         }
     }
