@@ -57,15 +57,16 @@ impl Client {
         Ok(match settings.transport {
             TransportKind::Reqwest => {
                 crate::tls::install_provider();
-                Client::Reqwest(
-                    reqwest::Client::builder()
-                        .pool_max_idle_per_host(settings.pool_max_idle_per_host)
-                        .pool_idle_timeout(settings.pool_idle_timeout)
-                        .connect_timeout(settings.connect_timeout)
-                        .tcp_nodelay(true)
-                        .redirect(reqwest::redirect::Policy::none())
-                        .build()?,
-                )
+                let mut builder = reqwest::Client::builder()
+                    .pool_max_idle_per_host(settings.pool_max_idle_per_host)
+                    .pool_idle_timeout(settings.pool_idle_timeout)
+                    .connect_timeout(settings.connect_timeout)
+                    .tcp_nodelay(true)
+                    .redirect(reqwest::redirect::Policy::none());
+                if settings.http2_prior_knowledge {
+                    builder = builder.http2_prior_knowledge();
+                }
+                Client::Reqwest(builder.build()?)
             }
             TransportKind::Hyper => {
                 let mut connector = HttpConnector::new();
@@ -77,6 +78,7 @@ impl Client {
                         .pool_idle_timeout(settings.pool_idle_timeout)
                         // The idle timeout is enforced by a timer; without one it is not.
                         .pool_timer(TokioTimer::new())
+                        .http2_only(settings.http2_prior_knowledge)
                         .build(connector),
                 ))
             }

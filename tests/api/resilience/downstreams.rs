@@ -420,16 +420,20 @@ async fn retries_of_a_failing_required_part_stop_at_the_deadline() {
     assert!(retries_after - retries_before >= (budgets.len() - 1) as f64);
 }
 
-/// Every way a downstream can fail an exchange, on both transports: a reset connection, a 404,
-/// a body that is not JSON and one over the 1 MiB bound each degrade their part alone.
+/// Every way a downstream can fail an exchange, on both transports and over HTTP/2 as well as
+/// HTTP/1.1: a reset connection (a reset stream on HTTP/2), a 404, a body that is not JSON and
+/// one over the 1 MiB bound each degrade their part alone.
 #[tokio::test]
 async fn each_broken_exchange_degrades_only_its_part_on_either_transport() {
-    for transport in [
-        tributary::config::TransportKind::Reqwest,
-        tributary::config::TransportKind::Hyper,
+    for (transport, http2) in [
+        (tributary::config::TransportKind::Reqwest, false),
+        (tributary::config::TransportKind::Hyper, false),
+        (tributary::config::TransportKind::Reqwest, true),
+        (tributary::config::TransportKind::Hyper, true),
     ] {
         let app = spawn_app_with(|s| {
             s.http_client.transport = transport;
+            s.http_client.http2_prior_knowledge = http2;
             s.retry.max_retries = 0;
         })
         .await;
@@ -438,7 +442,7 @@ async fn each_broken_exchange_degrades_only_its_part_on_either_transport() {
         app.set_service(Service::Promotions, |b| b.body_bytes = 2 << 20);
         app.set_service(Service::Notifications, |b| b.mode = Mode::InvalidJson);
 
-        let request_id = format!("broken-exchanges-{transport:?}");
+        let request_id = format!("broken-exchanges-{transport:?}-{http2}");
         let resp = app
             .client
             .get(app.url("/api/v1/dashboard/1"))
@@ -485,5 +489,60 @@ async fn each_broken_exchange_degrades_only_its_part_on_either_transport() {
             causes["recommendations"].contains("recommendations could not be reached"),
             "{causes:?}"
         );
+    }
+}
+
+/// `http_client.http2_prior_knowledge`: every call is an HTTP/2 stream, and a burst of
+/// concurrent dashboards shares a connection instead of opening one per call, on either
+/// transport. The same burst over HTTP/1.1 is the control: it needs a connection per call in
+/// flight, so the count below could not pass with the option ignored.
+#[tokio::test]
+async fn http2_prior_knowledge_multiplexes_concurrent_calls_on_a_shared_connection() {
+    const BURST: usize = 20;
+    for (transport, http2) in [
+        (tributary::config::TransportKind::Reqwest, false),
+        (tributary::config::TransportKind::Reqwest, true),
+        (tributary::config::TransportKind::Hyper, true),
+    ] {
+        let app = spawn_app_with(|s| {
+            s.http_client.transport = transport;
+            s.http_client.http2_prior_knowledge = http2;
+        })
+        .await;
+        app.seed(BURST as i64, 1).await;
+        // Long enough that every call of the burst is in flight at once.
+        for service in Service::ALL {
+            app.set_service(service, |b| b.latency = Duration::from_millis(200));
+        }
+        let before = app.sim.sim.connections();
+
+        let answers = join_all((1..=BURST as i64).map(|id| app.dashboard(id))).await;
+
+        for (status, body) in &answers {
+            assert_eq!(*status, 200, "{transport:?} http2={http2}: {body}");
+            assert_eq!(degraded(body), Vec::<String>::new(), "{body}");
+        }
+        let opened = app.sim.sim.connections() - before;
+        let versions: std::collections::BTreeSet<String> = app
+            .sim
+            .sim
+            .journal()
+            .into_iter()
+            .map(|seen| seen.http_version)
+            .collect();
+        if http2 {
+            assert_eq!(versions, ["HTTP/2.0".to_owned()].into(), "{transport:?}");
+            assert!(
+                opened <= 2,
+                "{transport:?}: {opened} connections for {} concurrent calls",
+                BURST * 5
+            );
+        } else {
+            assert_eq!(versions, ["HTTP/1.1".to_owned()].into());
+            assert!(
+                opened >= BURST as u64,
+                "HTTP/1.1 needs a connection per call in flight: {opened}"
+            );
+        }
     }
 }
