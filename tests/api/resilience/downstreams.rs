@@ -507,12 +507,18 @@ async fn http2_prior_knowledge_multiplexes_concurrent_calls_on_a_shared_connecti
         let app = spawn_app_with(|s| {
             s.http_client.transport = transport;
             s.http_client.http2_prior_knowledge = http2;
+            s.server.request_deadline = Duration::from_secs(5);
+            for d in s.downstreams.iter_mut() {
+                d.timeout = Duration::from_secs(3);
+            }
         })
         .await;
         app.seed(BURST as i64, 1).await;
-        // Long enough that every call of the burst is in flight at once.
+        // Long enough that every call of the burst is in flight at once, even on a loaded
+        // machine: HTTP/1.1 could reuse a connection only for a dashboard that arrives a
+        // second after another.
         for service in Service::ALL {
-            app.set_service(service, |b| b.latency = Duration::from_millis(200));
+            app.set_service(service, |b| b.latency = Duration::from_secs(1));
         }
         let before = app.sim.sim.connections();
 
