@@ -3,7 +3,8 @@
 # arenas MADV_HUGEPAGE, so on a kernel with THP in `madvise` mode they are backed by 2 MiB
 # pages), with MIMALLOC_ALLOW_THP=0 (`no-thp`: 4 KiB pages only), and with that and HTTP/2 to
 # the downstreams (`no-thp-h2`: http_client.http2_prior_knowledge, one connection per host), at
-# 100 and 500 connections: what the two memory levers save in resident memory and cost in CPU.
+# 100, 500 and 2,000 connections: what the two memory levers save in resident memory and cost in
+# CPU.
 # Repetitions alternate the variants.
 #
 #   BENCH_MEMORY_CONNECTIONS="500"   the connection levels (default 100 500 2000; quick: 8)
