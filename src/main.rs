@@ -3,6 +3,7 @@
 use std::{path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
+#[cfg(not(feature = "system-allocator"))]
 use mimalloc::MiMalloc;
 use tributary::{
     Application, Settings, build_info,
@@ -15,7 +16,10 @@ use tributary::{
 
 /// The hot path allocates small, short-lived buffers on every request (headers, bodies, log
 /// lines); mimalloc's thread-local free lists serve them faster than glibc's malloc, which the
-/// profile of `bench/run seed-baseline` showed at ~17 % of the worker's time.
+/// profile of `bench/run seed-baseline` showed at ~17 % of the worker's time. The
+/// `system-allocator` feature keeps glibc's, for heap profilers that intercept `malloc`
+/// (`bench/profile heap` runs heaptrack on such a build).
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static GLOBAL: MiMalloc = MiMalloc;
 
