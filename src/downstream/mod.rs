@@ -528,7 +528,10 @@ impl Downstream {
         let mut attempt = 0;
         let result = loop {
             let result = match self.hedge_after {
-                Some(after) => self.hedged(&target, after, span).await,
+                // Boxed: a hedge holds two exchanges at once (2.7 KB), and inline it would more
+                // than double every call's future, and so every dashboard's, which holds five
+                // calls, though hedging is off unless configured.
+                Some(after) => Box::pin(self.hedged(&target, after, span)).await,
                 None => self.attempt(&target, span).await,
             };
             match result {
@@ -831,6 +834,43 @@ mod tests {
                 let d = jittered(Duration::from_millis(10), attempt);
                 assert!(d <= Duration::from_millis(10 << attempt));
             }
+        }
+    }
+
+    /// Every dashboard holds five calls' futures at once, each in a box the size of its
+    /// largest state: a hedge (two exchanges in flight) inline would make every call carry two
+    /// exchanges' room, hedging configured or not. Sizes are the compiler's, not timings.
+    #[test]
+    fn a_call_future_holds_room_for_one_exchange_not_a_hedges_two() {
+        use crate::config::TransportKind;
+        let settings = Settings::default();
+        for transport in [TransportKind::Reqwest, TransportKind::Hyper] {
+            let http = HttpClientSettings {
+                transport,
+                ..settings.http_client.clone()
+            };
+            let queue_delay = QueueDelay::manual(Duration::from_millis(5));
+            let downstream = Downstream::new(
+                Service::Carts,
+                &settings,
+                Client::new(&http).unwrap(),
+                queue_delay,
+            )
+            .unwrap();
+            let span = Span::none();
+            let target = downstream.transport.target(1);
+            let exchange = std::mem::size_of_val(&downstream.attempt(&target, &span));
+            let hedge =
+                std::mem::size_of_val(&downstream.hedged(&target, Duration::from_millis(1), &span));
+            let call = std::mem::size_of_val(&downstream.call(1, &span));
+            assert!(
+                hedge >= 2 * exchange,
+                "{transport:?}: a hedge holds two exchanges"
+            );
+            assert!(
+                call < exchange + exchange / 2,
+                "{transport:?}: a call's future is {call} bytes, an exchange's {exchange}: the hedge is inline"
+            );
         }
     }
 }
