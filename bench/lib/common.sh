@@ -369,12 +369,43 @@ bench_start_gateway() {
   bench_start gateway "$SERVER_CPUS" env -u RUST_LOG -u TRIBUTARY_CONFIG "${GATEWAY_ENV[@]}" \
     "${GATEWAY_WRAPPER[@]}" "$tributary" serve
   GATEWAY_PID=$BENCH_LAST_PID
+  GATEWAY_METRICS_URL="http://127.0.0.1:$GATEWAY_OPS_PORT/metrics"
   cd - >/dev/null
   bench_wait_http "http://127.0.0.1:$GATEWAY_PORT/readyz" "${GATEWAY_START_TIMEOUT:-60}" "$GATEWAY_PID"
 }
 
+# bench_build_system_allocator : build the gateway with glibc's malloc instead of mimalloc (the
+# `system-allocator` feature: for heaptrack, which intercepts malloc, and the allocator scenario)
+# into target/heap-profile, apart from the shipped build; prints its BIN_DIR.
+bench_build_system_allocator() {
+  local target="$REPO_DIR/target/heap-profile"
+  bench_log "building the gateway with glibc's malloc (--features system-allocator) in $target"
+  (cd "$REPO_DIR" && cargo build --release --locked --bin tributary --features system-allocator \
+    --target-dir "$target" >&2)
+  echo "$target/release"
+}
+
+# bench_start_bare [ENV=VALUE...] : in the gateway's place (core 0, one worker, its port), the
+# bare stack serving the same dashboard (examples/bare_gateway.rs: axum, reqwest and sqlx with
+# none of tributary's features), pointed at the same simulators and database. It has no metrics.
+# Sets GATEWAY_PID, GATEWAY_ENV and GATEWAY_METRICS_URL (empty), as bench_start_gateway does.
+bench_start_bare() {
+  local i bare
+  GATEWAY_ENV=("BARE_LISTEN=127.0.0.1:$GATEWAY_PORT" "BARE_WORKER_THREADS=1" "DATABASE_URL=$DATABASE_URL_BENCH")
+  for i in "${!SIM_SERVICES[@]}"; do
+    GATEWAY_ENV+=("BARE_DOWNSTREAM_${SIM_SERVICES[$i]^^}=http://127.0.0.1:${SIM_PORTS[$i]}")
+  done
+  GATEWAY_ENV+=("$@")
+  bare="$(bench_example_bin bare_gateway)"
+  bench_start gateway "$SERVER_CPUS" env "${GATEWAY_ENV[@]}" "${GATEWAY_WRAPPER[@]}" "$bare"
+  GATEWAY_PID=$BENCH_LAST_PID
+  GATEWAY_METRICS_URL=""
+  bench_wait_http "http://127.0.0.1:$GATEWAY_PORT/readyz" "${GATEWAY_START_TIMEOUT:-60}" "$GATEWAY_PID"
+}
+
 # bench_gateway_point VARIANT CONNECTIONS REP DURATION WARMUP LIMIT BASIS [MEASURE-ARGS...]
-# Start a fresh gateway with the settings in the array GATEWAY_SETTINGS, measure, stop. A failed
+# Start a fresh gateway with the settings in the array GATEWAY_SETTINGS (started by the function
+# GATEWAY_STARTER names: bench_start_gateway unless set, bench_start_bare for the bare stack), measure, stop. A failed
 # measurement is tried once more with a new gateway, then skipped with a log line. Sets
 # BENCH_POINT_OK to 1 or 0.
 # shellcheck disable=SC2034 # BENCH_POINT_OK is read by the scenario scripts
@@ -382,7 +413,7 @@ bench_gateway_point() {
   local try
   BENCH_POINT_OK=0
   for try in 1 2; do
-    if bench_start_gateway "${GATEWAY_SETTINGS[@]}" && bench_gateway_run "$@"; then
+    if "${GATEWAY_STARTER:-bench_start_gateway}" "${GATEWAY_SETTINGS[@]}" && bench_gateway_run "$@"; then
       bench_stop "$GATEWAY_PID"
       BENCH_POINT_OK=1
       return 0
@@ -407,7 +438,8 @@ bench_gateway_run() {
   shift 7
   local sims
   sims="$(IFS=,; echo "${SIM_PIDS[*]}")"
-  local metrics=(--metrics-url "http://127.0.0.1:$GATEWAY_OPS_PORT/metrics")
+  local metrics=()
+  [[ -z "${GATEWAY_METRICS_URL:-}" ]] || metrics=(--metrics-url "$GATEWAY_METRICS_URL")
   bench_measure --out "$OUT_DIR/runs/${variant}-c${conns}-r${rep}.json" --scenario "$SCENARIO" \
     --variant "$variant" --repetition "$rep" \
     --url "http://127.0.0.1:$GATEWAY_PORT/api/v1/dashboard/1" \

@@ -20,10 +20,7 @@ duration=${BENCH_DURATION:-$(bench_pick 15 3)}
 warmup=$(bench_pick 3 1)
 
 shipped_bins="$BIN_DIR"
-glibc_bins="$REPO_DIR/target/heap-profile/release"
-bench_log "building the gateway with glibc's malloc (--features system-allocator) in ${glibc_bins%/release}"
-(cd "$REPO_DIR" && cargo build --release --locked --bin tributary --features system-allocator \
-  --target-dir "${glibc_bins%/release}" >&2)
+glibc_bins="$(bench_build_system_allocator)"
 
 bench_db_prepare
 bench_start_sims 100ms
