@@ -88,8 +88,8 @@ fn main() -> anyhow::Result<()> {
         let base = var(&env, &format!("http://127.0.0.1:{}", 9001 + i));
         format!("{}/{}/", base.trim_end_matches('/'), SERVICES[i])
     });
-    let database_url = std::env::var("DATABASE_URL")
-        .map_err(|_| anyhow::anyhow!("DATABASE_URL is not set"))?;
+    let database_url =
+        std::env::var("DATABASE_URL").map_err(|_| anyhow::anyhow!("DATABASE_URL is not set"))?;
     let max_connections = var("BARE_DB_MAX_CONNECTIONS", "20").parse()?;
     runtime.build()?.block_on(async move {
         let db = PgPoolOptions::new()

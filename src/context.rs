@@ -8,7 +8,7 @@
 //! work must be wrapped with [`scope`] (see [`spawn`]) explicitly — which is why the fan-out
 //! runs its parts as futures inside the request task instead of spawning them.
 //!
-//! The context is set once, by the request layer (`http::middleware::request_context`), and
+//! The context is set once, by the request layer (`http::middleware::ContextLayer`), and
 //! read wherever needed: the log span, outgoing downstream headers, database statement
 //! timeouts, and every bound on the request's time ([`deadline`], [`remaining`]).
 
@@ -118,6 +118,17 @@ pub(crate) fn traceparent(
 /// Runs `fut` with `ctx` as its request context.
 pub async fn scope<F: Future>(ctx: Arc<RequestContext>, fut: F) -> F::Output {
     CURRENT.scope(ctx, fut).await
+}
+
+/// `make()`'s future with `ctx` as its request context, `make` itself run inside it too: for
+/// the request layer, a tower service that calls the services beneath it (which may read the
+/// context when called) and needs its future's type by name.
+pub(crate) fn scope_call<F: Future>(
+    ctx: Arc<RequestContext>,
+    make: impl FnOnce() -> F,
+) -> tokio::task::futures::TaskLocalFuture<Arc<RequestContext>, F> {
+    let fut = CURRENT.sync_scope(Arc::clone(&ctx), make);
+    CURRENT.scope(ctx, fut)
 }
 
 /// The current request's context, if this code runs inside a request.

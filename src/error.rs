@@ -4,7 +4,7 @@
 //! in [`ApiError::status`]. Bodies are RFC 9457 `application/problem+json`. Client errors say
 //! what was wrong (down to the field); server errors are opaque: their cause chain is never
 //! sent. Turning an error into a response logs nothing; the response carries the error in its
-//! extensions, and the request layer (`http::middleware::record`) logs it once, inside the
+//! extensions, and the request layer (`http::middleware::RecordLayer`) logs it once, inside the
 //! request's span: every error in the access line, and [the unexpected
 //! ones](ApiError::is_unexpected) at ERROR with their cause chain.
 

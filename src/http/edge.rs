@@ -2,7 +2,8 @@
 //!
 //! Under overload most requests are turned away, so what a "no" costs decides how much of the
 //! core is left for the requests admitted. Here it costs a path match, a semaphore try and a
-//! pre-rendered answer: no request span, no task-local context, no trace-context parsing, no
+//! pre-rendered answer, decided when the layer is called (a tower service with a future of its
+//! own, not a `from_fn` middleware that would box and clone the stack first): no request span, no task-local context, no trace-context parsing, no
 //! log line (the counters, `tributary_admission_rejections_total` and the RED metrics, and one
 //! rate-limited warning from the admission control loop carry it), and no timer unless a wait
 //! can help ([`crate::admission::Limiter::try_admit`]). That is why this layer is the
@@ -12,20 +13,27 @@
 //! the others. A 503 to an HTTP/1 client that came back before its last `Retry-After` is held
 //! until then ([`super::pushback`]).
 
-use std::sync::Arc;
+use std::{
+    convert::Infallible,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll, ready},
+};
 
 use axum::{
     body::Body,
-    extract::{ConnectInfo, Request, State},
+    extract::{ConnectInfo, Request},
     http::{HeaderValue, Response, StatusCode, Version, header},
-    middleware::Next,
     response::IntoResponse,
 };
+use pin_project_lite::pin_project;
 use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt};
 
 use super::{DASHBOARD, ORDER, ORDERS, middleware::request_id_or_new, pushback::Pushback};
 use crate::{
-    admission::{Admission, Decision, Limiter, Rejected},
+    admission::{Admission, Decision, Limiter, Permit, Rejected},
     config::RouteGroup,
     error::{ApiError, PROBLEM_JSON},
     ratelimit::{self, RateLimiter},
@@ -67,55 +75,191 @@ impl Edge {
     }
 }
 
-/// Rate limit, then admission, for the routes that have them; everything else passes.
-pub(crate) async fn edge(
-    State(edge): State<Arc<Edge>>,
-    mut request: Request,
-    next: Next,
-) -> axum::response::Response {
-    let arrived = Instant::now();
-    let Some((group, route)) = classify(request.uri().path()) else {
-        return next.run(request).await;
-    };
-    request.extensions_mut().insert(Arrival(arrived));
+/// The edge as a tower layer; [`Edge::active`] says whether it is needed at all.
+#[derive(Clone)]
+pub(crate) struct EdgeLayer(pub(crate) Arc<Edge>);
 
-    if let Some(limiter) = &edge.rate_limiter {
-        let peer = request
-            .extensions()
-            .get::<ConnectInfo<std::net::SocketAddr>>()
-            .map(|c| c.0.ip());
-        match limiter.check(request.headers(), peer).await {
-            ratelimit::Decision::Allowed { headers } => {
-                let mut response = admit(&edge, group, route, request, next, arrived).await;
-                response.headers_mut().extend(headers);
-                return response;
-            }
-            ratelimit::Decision::Limited {
-                headers,
-                retry_after,
-            } => {
-                let mut response = ApiError::RateLimited { retry_after }.into_response();
-                response.headers_mut().extend(headers);
-                stamp(&mut response, &request);
-                edge.telemetry
-                    .record_request(route, request.method(), 429, arrived.elapsed());
-                return response;
+impl<S> Layer<S> for EdgeLayer {
+    type Service = EdgeService<S>;
+
+    fn layer(&self, inner: S) -> EdgeService<S> {
+        EdgeService {
+            inner,
+            edge: Arc::clone(&self.0),
+        }
+    }
+}
+
+/// [`EdgeLayer`]'s service. The common answers are decided when it is called, with no
+/// allocation of its own: a path that is not admission-controlled passes, a permit taken at
+/// once is held by the response future, and a "no" is a ready 503. Only what must wait (a rate
+/// limit decision, which may ask Redis, or a permit within `max_wait`) becomes a boxed future
+/// that owns a clone of the stack beneath.
+#[derive(Clone)]
+pub(crate) struct EdgeService<S> {
+    inner: S,
+    edge: Arc<Edge>,
+}
+
+type ApiResponse = axum::response::Response;
+
+impl<S> Service<Request> for EdgeService<S>
+where
+    S: Service<Request, Response = ApiResponse, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = ApiResponse;
+    type Error = Infallible;
+    type Future = EdgeFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request) -> Self::Future {
+        let arrived = Instant::now();
+        let Some((group, route)) = classify(request.uri().path()) else {
+            return EdgeFuture::Pass {
+                inner: self.inner.call(request),
+            };
+        };
+        request.extensions_mut().insert(Arrival(arrived));
+        let edge = Arc::clone(&self.edge);
+        if edge.rate_limiter.is_some() {
+            // The called service is the one that was made ready; its clone takes its place.
+            let inner = self.inner.clone();
+            let inner = std::mem::replace(&mut self.inner, inner);
+            return EdgeFuture::Waiting {
+                inner: Box::pin(rate_limited(edge, group, route, request, inner, arrived)),
+            };
+        }
+        let Some(admission) = &edge.admission else {
+            return EdgeFuture::Pass {
+                inner: self.inner.call(request),
+            };
+        };
+        let limiter: Arc<Limiter> = admission.limiter(group);
+        match limiter.try_admit() {
+            Decision::Admitted(permit) => EdgeFuture::Admitted {
+                inner: self.inner.call(request),
+                permit: Some(permit),
+            },
+            Decision::Rejected(rejected) => EdgeFuture::Ready {
+                response: Some(shed(&edge, route, &request, rejected, arrived)),
+            },
+            Decision::Wait => {
+                let inner = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, inner);
+                EdgeFuture::Waiting {
+                    inner: Box::pin(async move {
+                        match limiter.wait().await {
+                            Ok(permit) => held(permit, inner.oneshot(request)).await,
+                            Err(rejected) => shed(&edge, route, &request, rejected, arrived),
+                        }
+                    }),
+                }
             }
         }
     }
-    admit(&edge, group, route, request, next, arrived).await
 }
 
-async fn admit(
+pin_project! {
+    /// What the edge decided: pass, admitted with its permit held until the answer is ready,
+    /// answered already, or waiting (boxed: the rare case).
+    #[project = EdgeProj]
+    pub(crate) enum EdgeFuture<F> {
+        Pass { #[pin] inner: F },
+        Admitted { #[pin] inner: F, permit: Option<Permit> },
+        Ready { response: Option<ApiResponse> },
+        Waiting { inner: Pin<Box<dyn Future<Output = ApiResponse> + Send>> },
+    }
+}
+
+impl<F> Future for EdgeFuture<F>
+where
+    F: Future<Output = Result<ApiResponse, Infallible>>,
+{
+    type Output = Result<ApiResponse, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            EdgeProj::Pass { inner } => inner.poll(cx),
+            EdgeProj::Admitted { inner, permit } => {
+                let response = ready!(inner.poll(cx));
+                drop(permit.take());
+                Poll::Ready(response)
+            }
+            EdgeProj::Ready { response } => Poll::Ready(Ok(response
+                .take()
+                .expect("EdgeFuture::Ready polled after it completed"))),
+            EdgeProj::Waiting { inner } => inner.as_mut().poll(cx).map(Ok),
+        }
+    }
+}
+
+/// The stack beneath, with `permit` held until it has answered.
+async fn held<F>(permit: Permit, response: F) -> ApiResponse
+where
+    F: Future<Output = Result<ApiResponse, Infallible>>,
+{
+    let Ok(response) = response.await;
+    drop(permit);
+    response
+}
+
+/// Rate limit, then admission (waiting for a permit if it must).
+async fn rate_limited<S>(
+    edge: Arc<Edge>,
+    group: RouteGroup,
+    route: &'static str,
+    request: Request,
+    inner: S,
+    arrived: Instant,
+) -> ApiResponse
+where
+    S: Service<Request, Response = ApiResponse, Error = Infallible>,
+{
+    let Some(limiter) = &edge.rate_limiter else {
+        return admit(&edge, group, route, request, inner, arrived).await;
+    };
+    let peer = request
+        .extensions()
+        .get::<ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0.ip());
+    match limiter.check(request.headers(), peer).await {
+        ratelimit::Decision::Allowed { headers } => {
+            let mut response = admit(&edge, group, route, request, inner, arrived).await;
+            response.headers_mut().extend(headers);
+            response
+        }
+        ratelimit::Decision::Limited {
+            headers,
+            retry_after,
+        } => {
+            let mut response = ApiError::RateLimited { retry_after }.into_response();
+            response.headers_mut().extend(headers);
+            stamp(&mut response, &request);
+            edge.telemetry
+                .record_request(route, request.method(), 429, arrived.elapsed());
+            response
+        }
+    }
+}
+
+async fn admit<S>(
     edge: &Edge,
     group: RouteGroup,
     route: &'static str,
     request: Request,
-    next: Next,
+    inner: S,
     arrived: Instant,
-) -> axum::response::Response {
+) -> ApiResponse
+where
+    S: Service<Request, Response = ApiResponse, Error = Infallible>,
+{
     let Some(admission) = &edge.admission else {
-        return next.run(request).await;
+        let Ok(response) = inner.oneshot(request).await;
+        return response;
     };
     let limiter: Arc<Limiter> = admission.limiter(group);
     let permit = match limiter.try_admit() {
@@ -126,9 +270,7 @@ async fn admit(
             Err(rejected) => return shed(edge, route, &request, rejected, arrived),
         },
     };
-    let response = next.run(request).await;
-    drop(permit);
-    response
+    held(permit, inner.oneshot(request)).await
 }
 
 /// The 503: a pre-rendered problem, `Retry-After`, the request id, the RED metrics, and the

@@ -1,31 +1,49 @@
-//! The request layers as axum middleware functions (admission and rate limiting are the edge's,
-//! `super::edge`), composed in
+//! The request layers (admission and rate limiting are the edge's, `super::edge`), composed in
 //! [`super::router`] outermost first:
 //!
-//! - [`request_context`] is the one place a request's identity is established: it validates or
+//! - [`ContextLayer`] is the one place a request's identity is established: it validates or
 //!   generates the request id, reads the caller's trace context and budget, fixes the
 //!   deadline, and runs the rest of the stack inside the task-local context and the request
 //!   span;
-//! - [`record`] measures the request (RED metrics by route template, never raw paths), writes
-//!   its one access line and, for an error nobody expected, its one error line with the cause
-//!   chain. It does so from a guard, so a request the client abandons is recorded too, as 499;
-//! - [`watch_polls`] times every poll of the request future and reports one that blocks the
+//! - [`RecordLayer`] measures the request (RED metrics by route template, never raw paths),
+//!   writes its one access line and, for an error nobody expected, its one error line with the
+//!   cause chain. It does so from a guard, so a request the client abandons is recorded too, as
+//!   499;
+//! - [`WatchPollsLayer`] times every poll of the request future and reports one that blocks the
 //!   worker thread, from inside the request's span;
-//! - [`header_limits`] answers the configured header limits with a 431 problem;
-//! - [`deadline`] bounds every route by the request's deadline: past it, a 504.
+//! - [`HeaderLimitsLayer`] answers the configured header limits with a 431 problem;
+//! - [`DeadlineLayer`] bounds every route by the request's deadline: past it, a 504.
+//!
+//! Each is a tower [`Layer`] whose service wraps the inner service's future in a named one,
+//! not an `axum::middleware::from_fn`: a `from_fn` layer clones the whole stack beneath it and
+//! its state, and boxes two futures, on every request, and for five layers on a hot path that
+//! was measurable (see the commit that made them services). Their work before the inner
+//! service is called is synchronous, so nothing is lost: the context layer calls the stack
+//! beneath it inside the request span and the task-local context, so that what the inner
+//! layers read when they are called (the span, the deadline) is the request's.
 
-use std::{any::Any, sync::Arc, time::Duration};
+use std::{
+    any::Any,
+    convert::Infallible,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll, ready},
+    time::Duration,
+};
 
 use axum::{
-    extract::{MatchedPath, Request, State},
+    extract::{MatchedPath, Request},
     http::{HeaderMap, HeaderValue, Method, Response, StatusCode},
-    middleware::Next,
     response::IntoResponse,
 };
-use tokio::time::Instant;
-use tracing::{Instrument, Span};
+use futures::future::{Either, Ready};
+use pin_project_lite::pin_project;
+use tokio::{task::futures::TaskLocalFuture, time::Instant};
+use tower::{Layer, Service};
+use tracing::{Instrument, Span, instrument::Instrumented};
 
-use super::{AppState, edge::Arrival};
+use super::edge::Arrival;
 use crate::{
     config::ServerSettings,
     context::{self, RequestContext, TraceIds},
@@ -91,61 +109,123 @@ fn route_label(route: Option<&MatchedPath>) -> &str {
 }
 
 /// Request id, deadline and trace context into the task-local; the request span around the
-/// rest of the stack.
-pub(super) async fn request_context(
-    State(state): State<AppState>,
-    request: Request,
-    next: Next,
-) -> axum::response::Response {
-    let started = arrival(&request);
-    let route = route_of(&request);
-    let route = route_label(route.as_ref());
-    let method = request.method();
-    let headers = request.headers();
-    let request_id = request_id_or_new(headers);
-    let budget = state.settings.server.request_deadline;
-    let budget = caller_budget(headers).map_or(budget, |b| b.min(budget));
-    let incoming_trace = telemetry::parse_traceparent(headers);
+/// rest of the stack. `request_deadline` is `server.request_deadline`, which a caller's
+/// budget header can only shorten.
+#[derive(Clone)]
+pub(super) struct ContextLayer {
+    pub(super) request_deadline: Duration,
+}
 
-    // Without span export the ids are known now and go into the span as it is created: every
-    // later `record` costs the log layer a re-serialisation of the span's fields.
-    let otel = telemetry::otel_active();
-    let local_trace = (!otel).then(|| telemetry::local_trace_ids(incoming_trace.as_ref(), headers));
-    let span = request_span(
-        method,
-        route,
-        request.uri().path(),
-        &request_id,
-        local_trace.as_ref(),
-    );
-    let trace = match local_trace {
-        Some(trace) => trace,
-        None => {
-            // Only the exported span needs a name built per request.
-            span.record("otel.name", format_args!("{method} {route}"));
-            match telemetry::attach_trace(&span, headers) {
-                Some(trace) => {
-                    span.record("trace_id", trace.trace_id.as_str());
-                    span.record("span_id", trace.span_id.as_str());
-                    trace
-                }
-                None => telemetry::local_trace_ids(incoming_trace.as_ref(), headers),
-            }
+impl<S> Layer<S> for ContextLayer {
+    type Service = WithContext<S>;
+
+    fn layer(&self, inner: S) -> WithContext<S> {
+        WithContext {
+            inner,
+            request_deadline: self.request_deadline,
         }
-    };
-
-    let ctx = Arc::new(RequestContext::new(
-        Arc::clone(&request_id),
-        trace,
-        started + budget,
-    ));
-    let mut response = context::scope(ctx, next.run(request))
-        .instrument(span)
-        .await;
-    if let Ok(v) = HeaderValue::from_str(&request_id) {
-        response.headers_mut().insert(REQUEST_ID, v);
     }
-    response
+}
+
+/// [`ContextLayer`]'s service.
+#[derive(Clone)]
+pub(super) struct WithContext<S> {
+    inner: S,
+    request_deadline: Duration,
+}
+
+type ApiResponse = axum::response::Response;
+
+impl<S> Service<Request> for WithContext<S>
+where
+    S: Service<Request, Response = ApiResponse, Error = Infallible>,
+{
+    type Response = ApiResponse;
+    type Error = Infallible;
+    type Future = ContextFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let started = arrival(&request);
+        let route = route_of(&request);
+        let route = route_label(route.as_ref());
+        let headers = request.headers();
+        let request_id = request_id_or_new(headers);
+        let budget = self.request_deadline;
+        let budget = caller_budget(headers).map_or(budget, |b| b.min(budget));
+        let incoming_trace = telemetry::parse_traceparent(headers);
+
+        // Without span export the ids are known now and go into the span as it is created:
+        // every later `record` costs the log layer a re-serialisation of the span's fields.
+        let otel = telemetry::otel_active();
+        let local_trace =
+            (!otel).then(|| telemetry::local_trace_ids(incoming_trace.as_ref(), headers));
+        let span = request_span(
+            request.method(),
+            route,
+            request.uri().path(),
+            &request_id,
+            local_trace.as_ref(),
+        );
+        let trace = match local_trace {
+            Some(trace) => trace,
+            None => {
+                // Only the exported span needs a name built per request.
+                span.record("otel.name", format_args!("{} {route}", request.method()));
+                match telemetry::attach_trace(&span, headers) {
+                    Some(trace) => {
+                        span.record("trace_id", trace.trace_id.as_str());
+                        span.record("span_id", trace.span_id.as_str());
+                        trace
+                    }
+                    None => telemetry::local_trace_ids(incoming_trace.as_ref(), headers),
+                }
+            }
+        };
+
+        let ctx = Arc::new(RequestContext::new(
+            Arc::clone(&request_id),
+            trace,
+            started + budget,
+        ));
+        // The layers beneath are called now, inside the span and the context, as they are
+        // polled later.
+        let inner = &mut self.inner;
+        let future = span.in_scope(|| context::scope_call(ctx, || inner.call(request)));
+        ContextFuture {
+            inner: future.instrument(span),
+            request_id,
+        }
+    }
+}
+
+pin_project! {
+    /// The rest of the stack inside the request's span and context; the answer gets the
+    /// request id.
+    pub(super) struct ContextFuture<F> {
+        #[pin]
+        inner: Instrumented<TaskLocalFuture<Arc<RequestContext>, F>>,
+        request_id: Arc<str>,
+    }
+}
+
+impl<F> Future for ContextFuture<F>
+where
+    F: Future<Output = Result<ApiResponse, Infallible>>,
+{
+    type Output = Result<ApiResponse, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let Ok(mut response) = ready!(this.inner.poll(cx));
+        if let Ok(v) = HeaderValue::from_str(this.request_id) {
+            response.headers_mut().insert(REQUEST_ID, v);
+        }
+        Poll::Ready(Ok(response))
+    }
 }
 
 /// The one span per request, with the fields every log line of the request carries; the trace
@@ -216,34 +296,92 @@ pub fn access_line(
 
 /// RED metrics, the access line and the error log, written once per request by a guard; runs
 /// inside the request span and context.
-pub(super) async fn record(
-    State(telemetry): State<Arc<Telemetry>>,
-    request: Request,
-    next: Next,
-) -> axum::response::Response {
-    let mut finish = Finish {
-        _active: telemetry.active_request(),
-        telemetry: &telemetry,
-        route: route_of(&request),
-        method: request.method().clone(),
-        started: arrival(&request),
-        span: Span::current(),
-        response: None,
-    };
-    let response = next.run(request).await;
-    finish.response = Some((response.status(), response.extensions().get().cloned()));
-    drop(finish);
-    response
+#[derive(Clone)]
+pub(super) struct RecordLayer {
+    pub(super) telemetry: Arc<Telemetry>,
+}
+
+impl<S> Layer<S> for RecordLayer {
+    type Service = Record<S>;
+
+    fn layer(&self, inner: S) -> Record<S> {
+        Record {
+            inner,
+            telemetry: Arc::clone(&self.telemetry),
+        }
+    }
+}
+
+/// [`RecordLayer`]'s service.
+#[derive(Clone)]
+pub(super) struct Record<S> {
+    inner: S,
+    telemetry: Arc<Telemetry>,
+}
+
+impl<S> Service<Request> for Record<S>
+where
+    S: Service<Request, Response = ApiResponse, Error = Infallible>,
+{
+    type Response = ApiResponse;
+    type Error = Infallible;
+    type Future = RecordFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let finish = Finish {
+            _active: self.telemetry.active_request(),
+            telemetry: Arc::clone(&self.telemetry),
+            route: route_of(&request),
+            method: request.method().clone(),
+            started: arrival(&request),
+            span: Span::current(),
+            response: None,
+        };
+        RecordFuture {
+            inner: self.inner.call(request),
+            finish: Some(finish),
+        }
+    }
+}
+
+pin_project! {
+    /// The rest of the stack, and the guard that records the request when it is answered or
+    /// dropped.
+    pub(super) struct RecordFuture<F> {
+        #[pin]
+        inner: F,
+        finish: Option<Finish>,
+    }
+}
+
+impl<F> Future for RecordFuture<F>
+where
+    F: Future<Output = Result<ApiResponse, Infallible>>,
+{
+    type Output = Result<ApiResponse, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let Ok(response) = ready!(this.inner.poll(cx));
+        if let Some(mut finish) = this.finish.take() {
+            finish.response = Some((response.status(), response.extensions().get().cloned()));
+        }
+        Poll::Ready(Ok(response))
+    }
 }
 
 /// Records a request when it is dropped: with its response's status when there is one, as
 /// [`CLIENT_CLOSED_REQUEST`] when the request future was dropped first (the client hung up).
 /// Either way the latency histogram gets the sample, so the slowest requests, the ones clients
 /// give up on, do not vanish from it.
-struct Finish<'a> {
-    telemetry: &'a Telemetry,
+struct Finish {
+    telemetry: Arc<Telemetry>,
     /// Counts the request as active until the record is written.
-    _active: ActiveGuard<'a>,
+    _active: ActiveGuard,
     route: Option<MatchedPath>,
     method: Method,
     started: Instant,
@@ -254,7 +392,7 @@ struct Finish<'a> {
     response: Option<(StatusCode, Option<Arc<ApiError>>)>,
 }
 
-impl Drop for Finish<'_> {
+impl Drop for Finish {
     fn drop(&mut self) {
         let elapsed = self.started.elapsed();
         let route = route_label(self.route.as_ref());
@@ -300,50 +438,188 @@ impl Drop for Finish<'_> {
 
 /// Long-poll detection: a poll of the request future that holds the worker thread longer than
 /// `telemetry.long_poll_threshold` is counted and logged.
-pub(super) async fn watch_polls(
-    State(telemetry): State<Arc<Telemetry>>,
-    request: Request,
-    next: Next,
-) -> axum::response::Response {
-    PollTimer::new(next.run(request), &telemetry).await
+#[derive(Clone)]
+pub(super) struct WatchPollsLayer {
+    pub(super) telemetry: Arc<Telemetry>,
+}
+
+impl<S> Layer<S> for WatchPollsLayer {
+    type Service = WatchPolls<S>;
+
+    fn layer(&self, inner: S) -> WatchPolls<S> {
+        WatchPolls {
+            inner,
+            telemetry: Arc::clone(&self.telemetry),
+        }
+    }
+}
+
+/// [`WatchPollsLayer`]'s service.
+#[derive(Clone)]
+pub(super) struct WatchPolls<S> {
+    inner: S,
+    telemetry: Arc<Telemetry>,
+}
+
+impl<S> Service<Request> for WatchPolls<S>
+where
+    S: Service<Request, Response = ApiResponse, Error = Infallible>,
+{
+    type Response = ApiResponse;
+    type Error = Infallible;
+    type Future = PollTimer<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        PollTimer::new(self.inner.call(request), Arc::clone(&self.telemetry))
+    }
 }
 
 /// The configured header limits, answered with a problem document. hyper enforces twice these
 /// values as the hard memory bound and answers beyond that with a bare 431 of its own.
-pub(super) async fn header_limits(
-    State(server): State<Arc<ServerSettings>>,
-    request: Request,
-    next: Next,
-) -> axum::response::Response {
+#[derive(Clone)]
+pub(super) struct HeaderLimitsLayer {
+    pub(super) server: Arc<ServerSettings>,
+}
+
+impl<S> Layer<S> for HeaderLimitsLayer {
+    type Service = HeaderLimits<S>;
+
+    fn layer(&self, inner: S) -> HeaderLimits<S> {
+        HeaderLimits {
+            inner,
+            server: Arc::clone(&self.server),
+        }
+    }
+}
+
+/// [`HeaderLimitsLayer`]'s service.
+#[derive(Clone)]
+pub(super) struct HeaderLimits<S> {
+    inner: S,
+    server: Arc<ServerSettings>,
+}
+
+impl<S> Service<Request> for HeaderLimits<S>
+where
+    S: Service<Request, Response = ApiResponse, Error = Infallible>,
+{
+    type Response = ApiResponse;
+    type Error = Infallible;
+    type Future = Either<Ready<Result<ApiResponse, Infallible>>, S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        match over_header_limits(&self.server, &request) {
+            Some(response) => Either::Left(futures::future::ready(Ok(response))),
+            None => Either::Right(self.inner.call(request)),
+        }
+    }
+}
+
+/// The 431 for a request head over the configured limits, if it is.
+fn over_header_limits(server: &ServerSettings, request: &Request) -> Option<ApiResponse> {
     let (max_headers, max_header_bytes) = (server.max_headers.get(), server.max_header_bytes.get());
     let headers = request.headers();
-    let head_bytes = request.uri().to_string().len()
+    let head_bytes = uri_len(request.uri())
         + request.method().as_str().len()
         + headers
             .iter()
             .map(|(name, value)| name.as_str().len() + value.len() + 4)
             .sum::<usize>();
-    if headers.len() > max_headers || head_bytes > max_header_bytes {
-        let mut response = ApiError::HeaderFieldsTooLarge {
-            max_headers,
-            max_bytes: max_header_bytes,
-        }
-        .into_response();
-        response
-            .headers_mut()
-            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-        return response;
+    if headers.len() <= max_headers && head_bytes <= max_header_bytes {
+        return None;
     }
-    next.run(request).await
+    let mut response = ApiError::HeaderFieldsTooLarge {
+        max_headers,
+        max_bytes: max_header_bytes,
+    }
+    .into_response();
+    response
+        .headers_mut()
+        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    Some(response)
+}
+
+/// The length of the URI as it is displayed (`Uri`'s `Display`), without formatting it: a
+/// request's target is nearly always the origin form, a path and a query.
+fn uri_len(uri: &http::Uri) -> usize {
+    let scheme = uri.scheme_str().map_or(0, |s| s.len() + 3);
+    let authority = uri.authority().map_or(0, |a| a.as_str().len());
+    let path_and_query = uri.path_and_query().map_or(0, |pq| pq.as_str().len());
+    scheme + authority + path_and_query
 }
 
 /// Bounds the rest of the stack by the request's deadline (plus [`DEADLINE_GRACE`]): a 504,
-/// and everything the request held (an admission permit, a pooled connection) let go.
-pub(super) async fn deadline(request: Request, next: Next) -> axum::response::Response {
-    let deadline = context::deadline() + DEADLINE_GRACE;
-    match tokio::time::timeout_at(deadline, next.run(request)).await {
-        Ok(response) => response,
-        Err(_) => ApiError::GatewayTimeout.into_response(),
+/// and everything the request held (an admission permit, a pooled connection) let go. The
+/// deadline is read from the request context when the stack is called, which the context
+/// layer does inside it.
+#[derive(Clone)]
+pub(super) struct DeadlineLayer;
+
+impl<S> Layer<S> for DeadlineLayer {
+    type Service = Deadline<S>;
+
+    fn layer(&self, inner: S) -> Deadline<S> {
+        Deadline { inner }
+    }
+}
+
+/// [`DeadlineLayer`]'s service.
+#[derive(Clone)]
+pub(super) struct Deadline<S> {
+    inner: S,
+}
+
+/// The stack beneath (`tower_http`'s panic layer first) answers with its own body type; the
+/// answer is made an axum response here, as `from_fn`'s `Next` would.
+impl<S> Service<Request> for Deadline<S>
+where
+    S: Service<Request, Error = Infallible>,
+    S::Response: IntoResponse,
+{
+    type Response = ApiResponse;
+    type Error = Infallible;
+    type Future = DeadlineFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let deadline = context::deadline() + DEADLINE_GRACE;
+        DeadlineFuture {
+            inner: tokio::time::timeout_at(deadline, self.inner.call(request)),
+        }
+    }
+}
+
+pin_project! {
+    /// The rest of the stack, or a 504 at the deadline.
+    pub(super) struct DeadlineFuture<F> {
+        #[pin]
+        inner: tokio::time::Timeout<F>,
+    }
+}
+
+impl<F, R> Future for DeadlineFuture<F>
+where
+    F: Future<Output = Result<R, Infallible>>,
+    R: IntoResponse,
+{
+    type Output = Result<ApiResponse, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Poll::Ready(match ready!(self.project().inner.poll(cx)) {
+            Ok(Ok(response)) => Ok(response.into_response()),
+            Err(_) => Ok(ApiError::GatewayTimeout.into_response()),
+        })
     }
 }
 

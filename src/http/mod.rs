@@ -27,7 +27,7 @@ pub use middleware::{access_line, request_span};
 
 use std::sync::{Arc, atomic::AtomicBool};
 
-use axum::{Router, extract::DefaultBodyLimit, middleware::from_fn_with_state, routing::get};
+use axum::{Router, extract::DefaultBodyLimit, routing::get};
 use tower::ServiceBuilder;
 
 use crate::{
@@ -110,7 +110,7 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
         pushback: state.settings.admission.pushback,
     });
     // A disabled feature adds no layer.
-    let edge = edge.active().then(|| from_fn_with_state(edge, edge::edge));
+    let edge = edge.active().then(|| edge::EdgeLayer(edge));
     api.fallback(|| async { ApiError::NotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(
@@ -121,28 +121,25 @@ pub fn router(state: AppState, extra: Router<AppState>) -> Router {
                 .option_layer(edge)
                 // Request id, deadline and trace context into the task-local; the request span
                 // around everything below.
-                .layer(from_fn_with_state(
-                    state.clone(),
-                    middleware::request_context,
-                ))
+                .layer(middleware::ContextLayer {
+                    request_deadline: state.settings.server.request_deadline,
+                })
                 // RED metrics by route template, the one access line, and the one error line
                 // with the cause chain for unexpected errors; a request the client abandons is
                 // recorded as 499.
-                .layer(from_fn_with_state(
-                    Arc::clone(&state.telemetry),
-                    middleware::record,
-                ))
+                .layer(middleware::RecordLayer {
+                    telemetry: Arc::clone(&state.telemetry),
+                })
                 // A poll that blocks the worker thread is counted and logged in the request's
                 // span.
-                .layer(from_fn_with_state(
-                    Arc::clone(&state.telemetry),
-                    middleware::watch_polls,
-                ))
+                .layer(middleware::WatchPollsLayer {
+                    telemetry: Arc::clone(&state.telemetry),
+                })
                 // 431 problem for heads over the configured limits, before any work is done.
-                .layer(from_fn_with_state(server, middleware::header_limits))
+                .layer(middleware::HeaderLimitsLayer { server })
                 // Every route is bounded by the request's deadline: 504, and whatever the
                 // request held (admission permit, pooled connection) is let go.
-                .layer(axum::middleware::from_fn(middleware::deadline))
+                .layer(middleware::DeadlineLayer)
                 // A panic in a handler becomes an opaque 500 instead of a dropped connection.
                 .layer(tower_http::catch_panic::CatchPanicLayer::custom(
                     middleware::panic_response,

@@ -343,16 +343,16 @@ pub(super) fn register_routes(routes: &[(&str, Method)]) {
 }
 
 /// Counts a request as active for as long as it lives.
-pub(crate) struct ActiveGuard<'a>(&'a Gauge);
+pub(crate) struct ActiveGuard(Gauge);
 
-impl<'a> ActiveGuard<'a> {
-    pub(super) fn new(gauge: &'a Gauge) -> Self {
+impl ActiveGuard {
+    pub(super) fn new(gauge: &Gauge) -> Self {
         gauge.increment(1.0);
-        Self(gauge)
+        Self(gauge.clone())
     }
 }
 
-impl Drop for ActiveGuard<'_> {
+impl Drop for ActiveGuard {
     fn drop(&mut self) {
         self.0.decrement(1.0);
     }

@@ -139,7 +139,7 @@ impl Telemetry {
     }
 
     /// Counts a request as active until the guard is dropped.
-    pub(crate) fn active_request(&self) -> ActiveGuard<'_> {
+    pub(crate) fn active_request(&self) -> ActiveGuard {
         ActiveGuard::new(&self.active)
     }
 

@@ -18,6 +18,7 @@
 use std::{
     future::Future,
     pin::Pin,
+    sync::Arc,
     task::{Context, Poll},
     time::Duration,
 };
@@ -114,20 +115,20 @@ pub(crate) const FAMILIES: &[Family] = &[
 pin_project_lite::pin_project! {
     /// Times each poll of the inner future; a poll longer than the threshold is a worker thread
     /// held hostage, and is reported from inside the request's span.
-    pub struct PollTimer<'a, F> {
+    pub struct PollTimer<F> {
         #[pin]
         inner: F,
-        telemetry: &'a Telemetry,
+        telemetry: Arc<Telemetry>,
     }
 }
 
-impl<'a, F> PollTimer<'a, F> {
-    pub(crate) fn new(inner: F, telemetry: &'a Telemetry) -> Self {
+impl<F> PollTimer<F> {
+    pub(crate) fn new(inner: F, telemetry: Arc<Telemetry>) -> Self {
         Self { inner, telemetry }
     }
 }
 
-impl<F: Future> Future for PollTimer<'_, F> {
+impl<F: Future> Future for PollTimer<F> {
     type Output = F::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {

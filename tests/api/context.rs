@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 
+use axum::{Router, routing::get};
 use futures::future::join_all;
 use serde_json::Value;
 
@@ -9,7 +10,33 @@ use std::time::Duration;
 
 use tributary::config::TransportKind;
 
-use crate::helpers::spawn_app_with;
+use crate::helpers::{problem, spawn_app_full, spawn_app_with};
+
+/// The request layers are tower services that call the layers beneath them when they are
+/// called, not when their futures are first polled: the deadline layer reads the request's
+/// deadline then, so the context layer must make the context current for that call as well as
+/// for the polls. A route that never answers is the deadline layer's alone to end; outside the
+/// request context it would read the 30 s bound for code outside a request, and the test
+/// client (10 s) would give up first.
+#[tokio::test]
+async fn a_route_that_ignores_the_deadline_is_a_504_at_the_requests_deadline() {
+    let app = spawn_app_full(
+        |s| s.server.request_deadline = Duration::from_millis(300),
+        Router::new().route("/test/never", get(std::future::pending::<&'static str>)),
+        Default::default(),
+    )
+    .await;
+    let response = app
+        .client
+        .get(app.url("/test/never"))
+        .header("x-request-id", "never-1")
+        .send()
+        .await
+        .expect("an answer before the test client's 10 s timeout");
+    assert_eq!(response.headers()["x-request-id"], "never-1");
+    let (status, body) = problem(response).await;
+    assert_eq!(status, 504, "{body}");
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_requests_never_see_each_others_context() {
