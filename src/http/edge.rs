@@ -3,11 +3,14 @@
 //! Under overload most requests are turned away, so what a "no" costs decides how much of the
 //! core is left for the requests admitted. Here it costs a path match, a semaphore try and a
 //! pre-rendered answer, decided when the layer is called (a tower service with a future of its
-//! own, not a `from_fn` middleware that would box and clone the stack first): no request span, no task-local context, no trace-context parsing, no
-//! log line (the counters, `tributary_admission_rejections_total` and the RED metrics, and one
-//! rate-limited warning from the admission control loop carry it), and no timer unless a wait
-//! can help ([`crate::admission::Limiter::try_admit`]). That is why this layer is the
-//! outermost of the stack, and why it matches paths itself: axum's router has not run yet.
+//! own, not a `from_fn` middleware that would box and clone the stack first): no request span,
+//! no task-local context, no trace-context parsing, no log line (the counters,
+//! `tributary_admission_rejections_total` and the RED metrics, and one rate-limited warning
+//! from the admission control loop carry it), and no timer unless a wait can help
+//! ([`crate::admission::Limiter::try_admit`]). That is why this layer is the
+//! outermost of the request layers (axum runs them after routing, around each route). It
+//! classifies the path itself, three fixed prefixes, and a unit test keeps that classification
+//! equal to the admission-controlled routes.
 //!
 //! 429 comes before 503: a client over its own rate limit must not take an admission slot from
 //! the others. A 503 to an HTTP/1 client that came back before its last `Retry-After` is held
@@ -124,11 +127,12 @@ where
             };
         };
         request.extensions_mut().insert(Arrival(arrived));
-        let edge = Arc::clone(&self.edge);
+        let edge = &self.edge;
         if edge.rate_limiter.is_some() {
             // The called service is the one that was made ready; its clone takes its place.
             let inner = self.inner.clone();
             let inner = std::mem::replace(&mut self.inner, inner);
+            let edge = Arc::clone(edge);
             return EdgeFuture::Waiting {
                 inner: Box::pin(rate_limited(edge, group, route, request, inner, arrived)),
             };
@@ -145,11 +149,12 @@ where
                 permit: Some(permit),
             },
             Decision::Rejected(rejected) => EdgeFuture::Ready {
-                response: Some(shed(&edge, route, &request, rejected, arrived)),
+                response: Some(shed(edge, route, &request, rejected, arrived)),
             },
             Decision::Wait => {
                 let inner = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, inner);
+                let edge = Arc::clone(edge);
                 EdgeFuture::Waiting {
                     inner: Box::pin(async move {
                         match limiter.wait().await {

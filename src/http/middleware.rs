@@ -17,10 +17,11 @@
 //! Each is a tower [`Layer`] whose service wraps the inner service's future in a named one,
 //! not an `axum::middleware::from_fn`: a `from_fn` layer clones the whole stack beneath it and
 //! its state, and boxes two futures, on every request, and for five layers on a hot path that
-//! was measurable (see the commit that made them services). Their work before the inner
-//! service is called is synchronous, so nothing is lost: the context layer calls the stack
-//! beneath it inside the request span and the task-local context, so that what the inner
-//! layers read when they are called (the span, the deadline) is the request's.
+//! was measurable (docs/benchmarks.md, "Instructions per dashboard": 6 % of a dashboard's).
+//! Their work before the inner service is called is synchronous, so nothing is lost: the
+//! context layer calls the stack beneath it inside the request span and the task-local
+//! context, so that what the inner layers read when they are called (the span, the deadline)
+//! is the request's.
 
 use std::{
     any::Any,
