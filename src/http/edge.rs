@@ -157,10 +157,7 @@ where
                 let edge = Arc::clone(edge);
                 EdgeFuture::Waiting {
                     inner: Box::pin(async move {
-                        match limiter.wait().await {
-                            Ok(permit) => held(permit, inner.oneshot(request)).await,
-                            Err(rejected) => shed(&edge, route, &request, rejected, arrived),
-                        }
+                        waited(&edge, &limiter, route, request, inner, arrived).await
                     }),
                 }
             }
@@ -210,6 +207,24 @@ where
     let Ok(response) = response.await;
     drop(permit);
     response
+}
+
+/// A permit within `max_wait`, then the stack beneath with it held; or the 503.
+async fn waited<S>(
+    edge: &Edge,
+    limiter: &Arc<Limiter>,
+    route: &'static str,
+    request: Request,
+    inner: S,
+    arrived: Instant,
+) -> ApiResponse
+where
+    S: Service<Request, Response = ApiResponse, Error = Infallible>,
+{
+    match limiter.wait().await {
+        Ok(permit) => held(permit, inner.oneshot(request)).await,
+        Err(rejected) => shed(edge, route, &request, rejected, arrived),
+    }
 }
 
 /// Rate limit, then admission (waiting for a permit if it must).
@@ -267,15 +282,11 @@ where
         return response;
     };
     let limiter: Arc<Limiter> = admission.limiter(group);
-    let permit = match limiter.try_admit() {
-        Decision::Admitted(permit) => permit,
-        Decision::Rejected(rejected) => return shed(edge, route, &request, rejected, arrived),
-        Decision::Wait => match limiter.wait().await {
-            Ok(permit) => permit,
-            Err(rejected) => return shed(edge, route, &request, rejected, arrived),
-        },
-    };
-    held(permit, inner.oneshot(request)).await
+    match limiter.try_admit() {
+        Decision::Admitted(permit) => held(permit, inner.oneshot(request)).await,
+        Decision::Rejected(rejected) => shed(edge, route, &request, rejected, arrived),
+        Decision::Wait => waited(edge, &limiter, route, request, inner, arrived).await,
+    }
 }
 
 /// The 503: a pre-rendered problem, `Retry-After`, the request id, the RED metrics, and the
