@@ -19,6 +19,7 @@ use std::{
     time::Duration,
 };
 
+use http::HeaderValue;
 use tokio::time::Instant;
 
 tokio::task_local! {
@@ -35,11 +36,25 @@ pub struct RequestContext {
     /// The whole request must be answered by then; every downstream call and query gets at most
     /// the time that is left.
     pub deadline: Instant,
+    /// `request_id` as a header value, made once: the answer and every downstream call send it
+    /// (`None` for an id that is not a valid header value, which the request layer never makes).
+    request_id_header: Option<HeaderValue>,
+    /// This request's `traceparent` and `tracestate` for outgoing calls, made at the first call
+    /// and cloned (a reference count) for the others: five calls per dashboard would otherwise
+    /// format and copy the same two values five times.
+    trace_headers: OnceLock<TraceHeaders>,
     /// Set by handlers once the path has been parsed.
     user_id: OnceLock<i64>,
     /// The variants the request's parts went to (`carts=canary`), when any did not go to
     /// stable; set by the dashboard handler once it has routed the request.
     variants: OnceLock<Box<str>>,
+}
+
+/// The W3C trace headers of a request, as header values.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TraceHeaders {
+    pub(crate) traceparent: Option<HeaderValue>,
+    pub(crate) tracestate: Option<HeaderValue>,
 }
 
 /// Trace identifiers as lowercase hex, ready for `traceparent`.
@@ -59,9 +74,11 @@ impl RequestContext {
     #[doc(hidden)]
     pub fn new(request_id: Arc<str>, trace: TraceIds, deadline: Instant) -> Self {
         Self {
+            request_id_header: HeaderValue::from_str(&request_id).ok(),
             request_id,
             trace,
             deadline,
+            trace_headers: OnceLock::new(),
             user_id: OnceLock::new(),
             variants: OnceLock::new(),
         }
@@ -100,6 +117,23 @@ impl RequestContext {
             &self.trace.span_id,
             self.trace.sampled,
         )
+    }
+
+    /// The request id as a header value, for the answer and for outgoing calls.
+    pub fn request_id_header(&self) -> Option<&HeaderValue> {
+        self.request_id_header.as_ref()
+    }
+
+    /// [`Self::traceparent`] and the caller's `tracestate` as header values, made once.
+    pub(crate) fn trace_headers(&self) -> &TraceHeaders {
+        self.trace_headers.get_or_init(|| TraceHeaders {
+            traceparent: HeaderValue::try_from(self.traceparent()).ok(),
+            tracestate: self
+                .trace
+                .tracestate
+                .as_deref()
+                .and_then(|v| HeaderValue::from_str(v).ok()),
+        })
     }
 }
 
@@ -202,6 +236,25 @@ mod tests {
         .await;
         assert_eq!(carried.as_deref(), Some("b"));
         assert_eq!(plain, None);
+    }
+
+    #[test]
+    fn outgoing_headers_are_the_contexts_own_made_once() {
+        let c = ctx("req-1");
+        assert_eq!(
+            c.request_id_header().map(HeaderValue::as_bytes),
+            Some(&b"req-1"[..])
+        );
+        let first = c.trace_headers().traceparent.clone();
+        assert_eq!(
+            first.as_ref().map(HeaderValue::as_bytes),
+            Some(c.traceparent().as_bytes())
+        );
+        // The second call gets the same value (the one made at the first), not a new one.
+        assert!(std::ptr::eq(c.trace_headers(), c.trace_headers()));
+        assert!(c.trace_headers().tracestate.is_none());
+        // An id that cannot be a header is not sent, rather than sent mangled.
+        assert!(ctx("bad\nid").request_id_header().is_none());
     }
 
     #[test]

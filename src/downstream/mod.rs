@@ -636,16 +636,15 @@ impl Downstream {
         // Room for every header a call sends, the transport's own three included.
         let mut headers = HeaderMap::with_capacity(9);
         headers.insert(BUDGET_HEADER, HeaderValue::from(timeout.as_millis() as u64));
-        if let Some(ctx) = crate::context::current()
-            && let Ok(id) = HeaderValue::from_str(&ctx.request_id)
-        {
-            headers.insert("x-request-id", id);
+        let ctx = crate::context::current();
+        if let Some(id) = ctx.as_ref().and_then(|c| c.request_id_header()) {
+            headers.insert("x-request-id", id.clone());
         }
-        let (traceparent, tracestate) = crate::telemetry::outgoing_trace_headers();
-        if let Some(Ok(traceparent)) = traceparent.map(HeaderValue::try_from) {
+        let trace = crate::telemetry::outgoing_trace_headers(ctx.as_deref());
+        if let Some(traceparent) = trace.traceparent {
             headers.insert("traceparent", traceparent);
         }
-        if let Some(Ok(tracestate)) = tracestate.map(HeaderValue::try_from) {
+        if let Some(tracestate) = trace.tracestate {
             headers.insert("tracestate", tracestate);
         }
         if self.window.get().is_some() {

@@ -187,11 +187,8 @@ where
             }
         };
 
-        let ctx = Arc::new(RequestContext::new(
-            Arc::clone(&request_id),
-            trace,
-            started + budget,
-        ));
+        let ctx = Arc::new(RequestContext::new(request_id, trace, started + budget));
+        let request_id = ctx.request_id_header().cloned();
         // The layers beneath are called now, inside the span and the context, as they are
         // polled later.
         let inner = &mut self.inner;
@@ -209,7 +206,7 @@ pin_project! {
     pub(super) struct ContextFuture<F> {
         #[pin]
         inner: Instrumented<TaskLocalFuture<Arc<RequestContext>, F>>,
-        request_id: Arc<str>,
+        request_id: Option<HeaderValue>,
     }
 }
 
@@ -222,7 +219,7 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let Ok(mut response) = ready!(this.inner.poll(cx));
-        if let Ok(v) = HeaderValue::from_str(this.request_id) {
+        if let Some(v) = this.request_id.take() {
             response.headers_mut().insert(REQUEST_ID, v);
         }
         Poll::Ready(Ok(response))

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 use axum::http::HeaderMap;
 
-use crate::context::TraceIds;
+use crate::context::{RequestContext, TraceHeaders, TraceIds};
 
 /// Process-wide flag: whether spans are exported through OpenTelemetry.
 static OTEL_ACTIVE: OnceLock<bool> = OnceLock::new();
@@ -93,19 +93,19 @@ fn random_hex(bytes: usize) -> String {
     hex::encode(&buf[..bytes])
 }
 
-/// W3C trace headers for an outgoing call made now: the current span's ids when spans are
-/// exported (so the callee's spans hang under this call's span), the request's otherwise; the
-/// caller's `tracestate` is passed on either way.
-pub(crate) fn outgoing_trace_headers() -> (Option<String>, Option<String>) {
-    let ctx = crate::context::current();
-    let tracestate = ctx.as_ref().and_then(|c| c.trace.tracestate.clone());
+/// W3C trace headers for an outgoing call made now on behalf of `ctx`: the current span's ids
+/// when spans are exported (so the callee's spans hang under this call's span), the request's
+/// otherwise (made once per request, [`RequestContext::trace_headers`]); the caller's
+/// `tracestate` is passed on either way.
+pub(crate) fn outgoing_trace_headers(ctx: Option<&RequestContext>) -> TraceHeaders {
+    let mut headers = ctx.map(|c| c.trace_headers().clone()).unwrap_or_default();
     #[cfg(feature = "otel")]
     if otel_active()
         && let Some(tp) = otel::current_traceparent()
     {
-        return (Some(tp), tracestate);
+        headers.traceparent = axum::http::HeaderValue::try_from(tp).ok();
     }
-    (ctx.map(|c| c.traceparent()), tracestate)
+    headers
 }
 
 /// Links `span` to the caller's trace and returns the ids the exported span got, when spans are
