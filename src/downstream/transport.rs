@@ -143,14 +143,22 @@ impl Transport {
 
     /// The URL of `user_id`'s part.
     pub(crate) fn target(&self, user_id: i64) -> Target {
-        let path = format!("{}{user_id}", self.base.path());
+        let mut id = itoa::Buffer::new();
+        let id = id.format(user_id);
         match self.client {
             Client::Reqwest(_) => {
+                // One segment appended to the base, not the whole path set (and parsed) again.
                 let mut url = self.base.clone();
-                url.set_path(&path);
+                if let Ok(mut segments) = url.path_segments_mut() {
+                    segments.pop_if_empty().push(id);
+                }
                 Target::Url(url)
             }
             Client::Hyper(_) => {
+                let base = self.base.path();
+                let mut path = String::with_capacity(base.len() + id.len());
+                path.push_str(base);
+                path.push_str(id);
                 let mut parts = http::uri::Parts::default();
                 parts.scheme = Some(self.scheme.clone());
                 parts.authority = Some(self.authority.clone());
