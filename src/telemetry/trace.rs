@@ -98,12 +98,15 @@ fn random_hex(bytes: usize) -> String {
 /// otherwise (made once per request, [`RequestContext::trace_headers`]); the caller's
 /// `tracestate` is passed on either way.
 pub(crate) fn outgoing_trace_headers(ctx: Option<&RequestContext>) -> TraceHeaders {
-    let mut headers = ctx.map(|c| c.trace_headers().clone()).unwrap_or_default();
+    let headers = ctx.map(|c| c.trace_headers().clone()).unwrap_or_default();
     #[cfg(feature = "otel")]
     if otel_active()
         && let Some(tp) = otel::current_traceparent()
     {
-        headers.traceparent = axum::http::HeaderValue::try_from(tp).ok();
+        return TraceHeaders {
+            traceparent: axum::http::HeaderValue::try_from(tp).ok(),
+            ..headers
+        };
     }
     headers
 }
