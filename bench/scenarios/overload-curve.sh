@@ -45,11 +45,14 @@ config_env() {
     # unchecked: every window of the core's queue over the target cuts the adaptive limit, as
     # before overload.check_core_cuts.
     unchecked) echo "TRIBUTARY_OVERLOAD__CHECK_CORE_CUTS=false" ;;
+    # probe: while the core's queue is left out (a cut did not shorten it), grow the limit.
+    probe) echo "TRIBUTARY_OVERLOAD__PROBE_PAST_CORE=true" ;;
+    noprobe) echo "TRIBUTARY_OVERLOAD__PROBE_PAST_CORE=false" ;;
     # target-N: the shipped defaults with an N ms queueing-delay target.
     target-[0-9]*) echo "TRIBUTARY_OVERLOAD__QUEUE_DELAY_TARGET=${1#target-}ms" ;;
     # static-N: a static limit of N permits (the shipped wait), to compare with a learnt one.
     static-[0-9]*) echo "TRIBUTARY_ADMISSION__MODE=static TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=${1#static-}" ;;
-    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, unchecked, target-N, static-N)"; exit 2 ;;
+    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, unchecked, probe, noprobe, target-N, static-N)"; exit 2 ;;
   esac
 }
 

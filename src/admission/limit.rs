@@ -48,6 +48,14 @@ pub(crate) struct Interval {
 /// not shrink by a tenth, it is undone and the core's queue is left out of the decision for
 /// [`QueueDelayLimit::IGNORE_CORE_FOR`], after which a cut is tried again. Cuts for a standing
 /// inner queue (the database pool's) are never judged: only admitted requests stand in it.
+///
+/// **While the core's queue is left out, the limit probes upward** (`overload.probe_past_core`,
+/// [`CoreCuts::Probe`]): a queue the limit does not govern says nothing about how much admitted
+/// work the core can carry, and holding the limit there is a ratchet (every trial cut that the
+/// noise makes look useful is kept, and nothing ever raises the limit again while rejections
+/// keep the queue over the target). So if the limit is what turns requests away, it grows by
+/// √limit a second, and the next trial cut tells whether the admitted work has become part of
+/// the queue; a standing inner queue (the pool's knee) stops it as it stops any growth.
 pub(crate) struct QueueDelayLimit {
     min: f64,
     max: f64,
@@ -56,12 +64,35 @@ pub(crate) struct QueueDelayLimit {
     last_decrease: Option<Instant>,
     /// EWMA of how long requests hold their permit.
     hold: Option<Duration>,
-    /// Whether core-only cuts are judged (`overload.check_core_cuts`).
-    check_core_cuts: bool,
+    /// How cuts for the core's queue alone are judged.
+    core_cuts: CoreCuts,
     /// The last cut made for the core's queue alone, until it is judged.
     trial: Option<Trial>,
     /// Until then the core's queue does not move the limit (its last cut did not shorten it).
     ignore_core_until: Option<Instant>,
+}
+
+/// How a [`QueueDelayLimit`] treats cuts made for the core's queue alone
+/// (`overload.check_core_cuts`, `overload.probe_past_core`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CoreCuts {
+    /// Every window over the target cuts.
+    Unchecked,
+    /// A cut that did not shorten the queue is undone, and the queue is left out for a while;
+    /// the limit holds meanwhile.
+    Checked,
+    /// As `Checked`, and the limit grows gently while the queue is left out.
+    Probe,
+}
+
+impl CoreCuts {
+    pub(crate) fn of(check: bool, probe: bool) -> Self {
+        match (check, probe) {
+            (false, _) => Self::Unchecked,
+            (true, false) => Self::Checked,
+            (true, true) => Self::Probe,
+        }
+    }
 }
 
 /// What one control interval did to a [`QueueDelayLimit`]: the limiter counts each kind
@@ -98,7 +129,7 @@ impl QueueDelayLimit {
     /// How long the core's queue is left out after a cut that did not shorten it.
     pub(crate) const IGNORE_CORE_FOR: Duration = Duration::from_secs(1);
 
-    pub(crate) fn new(s: &AdaptiveSettings, target: Duration, check_core_cuts: bool) -> Self {
+    pub(crate) fn new(s: &AdaptiveSettings, target: Duration, core_cuts: CoreCuts) -> Self {
         let min = s.min_limit.get() as f64;
         let max = (s.max_limit as f64).max(min);
         Self {
@@ -108,7 +139,7 @@ impl QueueDelayLimit {
             limit: (s.initial_limit as f64).clamp(min, max),
             last_decrease: None,
             hold: None,
-            check_core_cuts,
+            core_cuts,
             trial: None,
             ignore_core_until: None,
         }
@@ -153,7 +184,7 @@ impl QueueDelayLimit {
                         return Step::Undone(self.limit());
                     }
                     _ => {
-                        if self.check_core_cuts && !seen.inner {
+                        if self.core_cuts != CoreCuts::Unchecked && !seen.inner {
                             self.trial = Some(Trial {
                                 limit_before: self.limit,
                                 delay: seen.delay,
@@ -165,8 +196,14 @@ impl QueueDelayLimit {
                 }
             }
         } else if seen.core {
-            // Saturated, but the core's queue is being ignored: hold. Growing here would add
-            // admitted work to a queue that is already over the target.
+            // Saturated, but the core's queue is being ignored: its last cut did not shorten it.
+            // Checked: hold. Probe: if the limit is what turns requests away, grow by √limit a
+            // second (a tenth of it per interval), so that a limit walked under the knee by
+            // kept cuts comes back; the next trial cut judges the grown limit.
+            if self.core_cuts == CoreCuts::Probe && seen.limited {
+                let per_interval = super::CONTROL_INTERVAL.as_secs_f64();
+                self.limit = (self.limit + self.limit.sqrt() * per_interval).min(self.max);
+            }
         } else if seen.limited {
             self.limit = if seen.delay < self.target / 2 {
                 self.limit * Self::FAST_INCREASE
@@ -328,7 +365,7 @@ mod tests {
     fn the_limit_converges_on_the_cores_capacity_and_follows_a_step_change() {
         let mut s = settings();
         s.max_limit = 5000;
-        let mut l = QueueDelayLimit::new(&s, TARGET, true);
+        let mut l = QueueDelayLimit::new(&s, TARGET, CoreCuts::Checked);
         let mut now = Instant::now();
         // 3,000 req/s of CPU at 100 ms of I/O each: 300 in flight keep the core busy.
         run(&mut l, &mut now, 300.0, 200);
@@ -348,7 +385,7 @@ mod tests {
 
     #[test]
     fn it_stays_within_its_bounds() {
-        let mut l = QueueDelayLimit::new(&settings(), TARGET, true);
+        let mut l = QueueDelayLimit::new(&settings(), TARGET, CoreCuts::Checked);
         let mut now = Instant::now();
         run(&mut l, &mut now, 5.0, 3000);
         assert_eq!(l.limit(), 10, "never below min_limit");
@@ -358,7 +395,7 @@ mod tests {
 
     #[test]
     fn it_decreases_at_most_once_per_permit_hold_time() {
-        let mut l = QueueDelayLimit::new(&settings(), TARGET, true);
+        let mut l = QueueDelayLimit::new(&settings(), TARGET, CoreCuts::Checked);
         l.sample(Duration::from_millis(400));
         let now = Instant::now();
         let saturated = Interval {
@@ -418,7 +455,7 @@ mod tests {
     #[test]
     fn a_cut_that_does_not_shorten_the_cores_queue_is_undone() {
         let mut now = Instant::now();
-        let mut checked = QueueDelayLimit::new(&settings(), TARGET, true);
+        let mut checked = QueueDelayLimit::new(&settings(), TARGET, CoreCuts::Checked);
         let (lo, undone) = run_foreign_queue(&mut checked, &mut now, usize::MAX);
         assert!(
             lo >= 90 && checked.limit() >= 90,
@@ -429,7 +466,7 @@ mod tests {
         assert!((40..=60).contains(&undone), "{undone} cuts undone in 60 s");
 
         // Without the check every window over the target cuts, down to the floor.
-        let mut unchecked = QueueDelayLimit::new(&settings(), TARGET, false);
+        let mut unchecked = QueueDelayLimit::new(&settings(), TARGET, CoreCuts::Unchecked);
         let (lo, undone) = run_foreign_queue(&mut unchecked, &mut now, usize::MAX);
         assert_eq!((lo, undone), (10, 0), "unchecked: walked to min_limit");
     }
@@ -437,7 +474,7 @@ mod tests {
     #[test]
     fn cuts_for_a_standing_inner_queue_are_never_undone() {
         let mut now = Instant::now();
-        let mut l = QueueDelayLimit::new(&settings(), TARGET, true);
+        let mut l = QueueDelayLimit::new(&settings(), TARGET, CoreCuts::Checked);
         // The pool's line stands above 50 admitted: its cuts take the limit under it and keep
         // it there, although the core's queue (not shortened by them) is as long as ever.
         let (lo, _) = run_foreign_queue(&mut l, &mut now, 50);
@@ -450,8 +487,51 @@ mod tests {
     }
 
     #[test]
+    fn probing_past_a_foreign_queue_climbs_back_to_the_pools_knee() {
+        // Rejections keep the core's queue over the target whatever the limit; the pool's line
+        // stands past 300 admitted. Checked holds wherever the kept cuts left it (here the
+        // initial 100, every trial cut undone); probing climbs to the pool's knee and stays.
+        let mut now = Instant::now();
+        let mut checked = QueueDelayLimit::new(&settings(), TARGET, CoreCuts::Checked);
+        run_foreign_queue(&mut checked, &mut now, 300);
+        assert!(
+            checked.limit() <= 100,
+            "checked never grows here, got {}",
+            checked.limit()
+        );
+        let mut probing = QueueDelayLimit::new(&settings(), TARGET, CoreCuts::Probe);
+        run_foreign_queue(&mut probing, &mut now, 300);
+        let (mut lo, mut hi) = (usize::MAX, 0);
+        for _ in 0..10 {
+            run_foreign_queue(&mut probing, &mut now, 300);
+            lo = lo.min(probing.limit());
+            hi = hi.max(probing.limit());
+        }
+        assert!(
+            lo >= 240 && hi <= 330,
+            "should hold near the pool's knee of 300, got {lo}..{hi}"
+        );
+    }
+
+    #[test]
+    fn probing_still_converges_on_the_cores_capacity() {
+        // Where the core's queue is the admitted work, a trial cut shortens it and is kept:
+        // probing must not push the limit past the knee.
+        let mut s = settings();
+        s.max_limit = 5000;
+        let mut l = QueueDelayLimit::new(&s, TARGET, CoreCuts::Probe);
+        let mut now = Instant::now();
+        run(&mut l, &mut now, 300.0, 200);
+        let (lo, hi) = band(&mut l, &mut now, 300.0);
+        assert!(
+            lo >= 240 && hi <= 360,
+            "should oscillate around 300, got {lo}..{hi}"
+        );
+    }
+
+    #[test]
     fn it_does_not_move_when_it_is_not_what_limits() {
-        let mut l = QueueDelayLimit::new(&settings(), TARGET, true);
+        let mut l = QueueDelayLimit::new(&settings(), TARGET, CoreCuts::Checked);
         let now = Instant::now();
         // Saturated by something else while few permits are held: cutting would not help.
         let bystander = Interval {

@@ -54,10 +54,10 @@ use crate::{
     overload::{QueueDelay, StandingQueue},
     telemetry::Family,
 };
-use limit::{Gradient2, Interval, QueueDelayLimit, Step};
+use limit::{CoreCuts, Gradient2, Interval, QueueDelayLimit, Step};
 
 /// How often the adaptive limit is updated and the wait queue's state reconsidered.
-const CONTROL_INTERVAL: Duration = Duration::from_millis(100);
+pub(crate) const CONTROL_INTERVAL: Duration = Duration::from_millis(100);
 /// Readiness and the drain rate are updated once per this many control intervals (1 s).
 const TICKS_PER_SECOND: u32 = 10;
 /// At most one "shedding" warning per this long; the counters have the rest.
@@ -110,7 +110,10 @@ impl Admission {
                     Controller::QueueDelay(Mutex::new(QueueDelayLimit::new(
                         &settings.admission.adaptive,
                         queue_delay.target(),
-                        settings.overload.check_core_cuts,
+                        CoreCuts::of(
+                            settings.overload.check_core_cuts,
+                            settings.overload.probe_past_core,
+                        ),
                     )))
                 }
                 AdmissionMode::Gradient2 => {

@@ -492,6 +492,12 @@ pub struct OverloadSettings {
     /// not govern, such as the rejections themselves), and the core's queue is left out of the
     /// decision for a second. False: every window over the target cuts.
     pub check_core_cuts: bool,
+    /// While the core's queue is left out of the decision (its last cut did not shorten it),
+    /// the adaptive limit grows by √limit a second if it is what turns requests away, instead
+    /// of holding; the next trial cut judges the grown limit. Without it, cuts that the noise
+    /// makes look useful are kept and nothing raises the limit again while rejections keep the
+    /// core's queue over the target. Only with `check_core_cuts`.
+    pub probe_past_core: bool,
 }
 
 impl Default for OverloadSettings {
@@ -500,6 +506,7 @@ impl Default for OverloadSettings {
             queue_delay_target: Duration::from_millis(5),
             follow_db_pool: true,
             check_core_cuts: true,
+            probe_past_core: false,
         }
     }
 }
