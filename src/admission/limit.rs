@@ -86,6 +86,7 @@ pub(crate) enum CoreCuts {
 }
 
 impl CoreCuts {
+    /// `probe` without `check` is refused at config load (`Settings::validate`).
     pub(crate) fn of(check: bool, probe: bool) -> Self {
         match (check, probe) {
             (false, _) => Self::Unchecked,
@@ -363,24 +364,28 @@ mod tests {
 
     #[test]
     fn the_limit_converges_on_the_cores_capacity_and_follows_a_step_change() {
-        let mut s = settings();
-        s.max_limit = 5000;
-        let mut l = QueueDelayLimit::new(&s, TARGET, CoreCuts::Checked);
-        let mut now = Instant::now();
-        // 3,000 req/s of CPU at 100 ms of I/O each: 300 in flight keep the core busy.
-        run(&mut l, &mut now, 300.0, 200);
-        let (lo, hi) = band(&mut l, &mut now, 300.0);
-        assert!(
-            lo >= 240 && hi <= 360,
-            "should oscillate around 300, got {lo}..{hi}"
-        );
-        // Half the CPU (a noisy neighbour, a smaller pod): the limit must follow.
-        run(&mut l, &mut now, 150.0, 200);
-        let (lo, hi) = band(&mut l, &mut now, 150.0);
-        assert!(
-            lo >= 120 && hi <= 180,
-            "should follow to around 150, got {lo}..{hi}"
-        );
+        // Where the core's queue is the admitted work, a trial cut shortens it and is kept, so
+        // probing (`Probe`) must not push the limit past the knee either.
+        for cuts in [CoreCuts::Checked, CoreCuts::Probe] {
+            let mut s = settings();
+            s.max_limit = 5000;
+            let mut l = QueueDelayLimit::new(&s, TARGET, cuts);
+            let mut now = Instant::now();
+            // 3,000 req/s of CPU at 100 ms of I/O each: 300 in flight keep the core busy.
+            run(&mut l, &mut now, 300.0, 200);
+            let (lo, hi) = band(&mut l, &mut now, 300.0);
+            assert!(
+                lo >= 240 && hi <= 360,
+                "{cuts:?}: should oscillate around 300, got {lo}..{hi}"
+            );
+            // Half the CPU (a noisy neighbour, a smaller pod): the limit must follow.
+            run(&mut l, &mut now, 150.0, 200);
+            let (lo, hi) = band(&mut l, &mut now, 150.0);
+            assert!(
+                lo >= 120 && hi <= 180,
+                "{cuts:?}: should follow to around 150, got {lo}..{hi}"
+            );
+        }
     }
 
     #[test]
@@ -510,22 +515,6 @@ mod tests {
         assert!(
             lo >= 240 && hi <= 330,
             "should hold near the pool's knee of 300, got {lo}..{hi}"
-        );
-    }
-
-    #[test]
-    fn probing_still_converges_on_the_cores_capacity() {
-        // Where the core's queue is the admitted work, a trial cut shortens it and is kept:
-        // probing must not push the limit past the knee.
-        let mut s = settings();
-        s.max_limit = 5000;
-        let mut l = QueueDelayLimit::new(&s, TARGET, CoreCuts::Probe);
-        let mut now = Instant::now();
-        run(&mut l, &mut now, 300.0, 200);
-        let (lo, hi) = band(&mut l, &mut now, 300.0);
-        assert!(
-            lo >= 240 && hi <= 360,
-            "should oscillate around 300, got {lo}..{hi}"
         );
     }
 

@@ -496,7 +496,7 @@ pub struct OverloadSettings {
     /// the adaptive limit grows by √limit a second if it is what turns requests away, instead
     /// of holding; the next trial cut judges the grown limit. Without it, cuts that the noise
     /// makes look useful are kept and nothing raises the limit again while rejections keep the
-    /// core's queue over the target. Only with `check_core_cuts`.
+    /// core's queue over the target. Needs `check_core_cuts`: config load rejects it without.
     pub probe_past_core: bool,
 }
 
@@ -769,6 +769,12 @@ impl Settings {
             problems.push(
                 "downstreams.users.cache.key must be \"per_user\": the profile is the user's own"
                     .into(),
+            );
+        }
+        let overload = &self.overload;
+        if overload.probe_past_core && !overload.check_core_cuts {
+            problems.push(
+                "overload.probe_past_core needs overload.check_core_cuts = true (it acts only while a checked cut leaves the core's queue out)".into(),
             );
         }
         let adm = &self.admission;

@@ -151,6 +151,19 @@ fn min_above_max_and_crossed_ratios_are_reported() {
 }
 
 #[test]
+fn probing_past_the_core_without_checked_cuts_is_rejected_not_ignored() {
+    let err = problems(&[
+        ("TRIBUTARY_OVERLOAD__CHECK_CORE_CUTS", "false"),
+        ("TRIBUTARY_OVERLOAD__PROBE_PAST_CORE", "true"),
+    ]);
+    assert_eq!(
+        err,
+        "invalid configuration: overload.probe_past_core needs overload.check_core_cuts = true \
+         (it acts only while a checked cut leaves the core's queue out)"
+    );
+}
+
+#[test]
 fn inconsistent_rate_limit_settings_are_all_reported() {
     let err = problems(&[
         ("TRIBUTARY_RATE_LIMIT__ENABLED", "true"),
