@@ -12,6 +12,15 @@ BENCH_QUICK="${BENCH_QUICK:-0}"
 # Placement: the server under test alone on core 0, everything else on core 1 (a 2-core machine).
 SERVER_CPUS="${BENCH_SERVER_CPUS:-0}"
 LOADGEN_CPUS="${BENCH_LOADGEN_CPUS:-1}"
+# The local Postgres is part of the rig: its backends answer the gateway's queries, so they belong
+# on the rig's core, not beside the server under test. It is a system service the lab does not
+# start, so bench_db_prepare pins its processes while a scenario runs (bench_pin_postgres) and
+# bench_cleanup gives them back their mask. Left to the scheduler (BENCH_PG_CPUS=any, the placement
+# of every run before 2026-12-04), its ~0.3 core of backends ran on core 0 too: the gateway got
+# 0.67-0.79 of "its" core while core 0 was 98 % busy and core 1 had a quarter free.
+PG_CPUS="${BENCH_PG_CPUS:-$LOADGEN_CPUS}"
+PG_POSTMASTER=""
+PG_SAVED_MASK=""
 PG_URL_BASE="${BENCH_PG_URL_BASE:-postgres://postgres@127.0.0.1:5432}"
 # Free ports, chosen by the kernel, so that a run never talks to somebody else's server.
 read -r GATEWAY_PORT GATEWAY_OPS_PORT BENCH_SERVER_PORT OTLP_HTTP_PORT OTLP_GRPC_PORT SIM_PORT_LIST < <(python3 -c '
@@ -74,6 +83,7 @@ bench_cleanup() {
   for pid in "${BENCH_PIDS[@]}"; do
     bench_stop "$pid"
   done
+  bench_unpin_postgres
   if [[ "$BENCH_DB_CREATED" == 1 ]]; then
     psql "$PG_URL_BASE/postgres" -qc "DROP DATABASE IF EXISTS \"$BENCH_DB\" WITH (FORCE)" >/dev/null 2>&1 ||
       bench_log "could not drop database $BENCH_DB"
@@ -266,9 +276,53 @@ bench_gateway_bin() {
   echo "$BIN_DIR/$name"
 }
 
+# The local Postgres's postmaster and its children (backends, background workers). New backends
+# fork from the postmaster and inherit its mask, so pinning it places the backends of the run too.
+bench_postgres_pids() {
+  [[ -n "$PG_POSTMASTER" ]] && kill -0 "$PG_POSTMASTER" 2>/dev/null || return 0
+  echo "$PG_POSTMASTER"
+  pgrep -P "$PG_POSTMASTER" || true
+}
+
+# bench_pin_postgres : move the local Postgres onto PG_CPUS for the scenario (see PG_CPUS). Only a
+# server on this machine whose postmaster.pid names a live process is touched; anything else (a
+# remote server, no permission) is logged and left where it is, and the placement says so.
+bench_pin_postgres() {
+  export BENCH_PG_PLACEMENT="unpinned"
+  [[ "$PG_CPUS" != any ]] || return 0
+  local datadir pid
+  datadir="$(psql "$PG_URL_BASE/postgres" -tAc "SHOW data_directory" 2>/dev/null)" || datadir=""
+  pid="$(head -n 1 "$datadir/postmaster.pid" 2>/dev/null)" || pid=""
+  if [[ -z "$pid" ]] || ! PG_SAVED_MASK="$(taskset -p "$pid" 2>/dev/null | awk '{print $NF}')"; then
+    bench_log "Postgres is not a local process this run can place: left unpinned"
+    return 0
+  fi
+  PG_POSTMASTER="$pid"
+  local p
+  for p in $(bench_postgres_pids); do
+    taskset -a -p -c "$PG_CPUS" "$p" >/dev/null 2>&1 || {
+      bench_log "could not pin Postgres process $p to cores $PG_CPUS: left unpinned"
+      bench_unpin_postgres
+      return 0
+    }
+  done
+  BENCH_PG_PLACEMENT="cores $PG_CPUS"
+  bench_log "Postgres (postmaster $pid and its backends) pinned to cores $PG_CPUS for this run"
+}
+
+bench_unpin_postgres() {
+  [[ -n "$PG_POSTMASTER" && -n "$PG_SAVED_MASK" ]] || return 0
+  local p
+  for p in $(bench_postgres_pids); do
+    taskset -a -p "$PG_SAVED_MASK" "$p" >/dev/null 2>&1 || true
+  done
+  PG_POSTMASTER=""
+}
+
 # Create the dedicated database if needed, migrate it and seed it (both idempotent).
 bench_db_prepare() {
   local exists
+  bench_pin_postgres
   exists="$(psql "$PG_URL_BASE/postgres" -tAc "SELECT 1 FROM pg_database WHERE datname = '$BENCH_DB'")"
   if [[ "$exists" != 1 ]]; then
     bench_log "creating database $BENCH_DB (dropped when the run ends)"

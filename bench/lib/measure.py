@@ -582,6 +582,8 @@ def measure_once(args) -> tuple[dict, str]:
             "wrk_threads": args.threads,
             "wrk_timeout": args.timeout,
             "loadgen_cpus": cpus,
+            # Where the local Postgres ran (bench_pin_postgres): "cores N", or "unpinned".
+            "postgres_cpus": os.environ.get("BENCH_PG_PLACEMENT"),
             **({"shape": args.shape, "rate": args.rate} if args.loadgen else {}),
             **parse_kv(args.meta),
         },

@@ -287,7 +287,9 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
         f"median {statistics.median(loads):.2f}, max {max(loads):.2f}; runs that overlapped a compiler: {builds}; "
         f"runs flagged disturbed (other processes above the quiet threshold after the allowed retries): {disturbed}",
         f"- **Placement:** server under test on core 0 (`taskset -c 0`, one tokio worker); wrk on core "
-        f"{first['config'].get('loadgen_cpus')}; other processes as listed in the resources table",
+        f"{first['config'].get('loadgen_cpus')}; the local Postgres on "
+        f"{first['config'].get('postgres_cpus') or 'any core (unpinned: runs before 2026-12-04)'}; "
+        f"other processes as listed in the resources table",
         f"- Figures are medians over repetitions (range in brackets), over the undisturbed repetitions when a "
         f"group has any. Efficiency = successful req/s ÷ limit. Latency is client-side (wrk, closed loop).",
         f"- The machine is shared with other work: before each run the lab waits for idle cores (and no compiler), "

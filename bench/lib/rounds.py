@@ -2,8 +2,9 @@
 """Medians over repeated short runs of `overload-curve`, one table row per configuration and point.
 
 The overload curve runs each point once; on a shared VM one point's goodput moves by ±20 %, so an
-experiment that compares configurations runs the scenario several times (one BENCH_OUT per round,
-the configurations' order reversed every other round) and reads the medians:
+experiment that compares configurations runs the scenario several times (one BENCH_OUT per round;
+within a round the configurations take turns at each point, in an order that rotates from point
+to point) and reads the medians:
 
     for i in 1 2 3; do BENCH_OUT=/tmp/exp-$i BENCH_CONFIGS="default static-270" \\
       BENCH_CLOSED="1000 10000" BENCH_OPEN="5" BENCH_RETRY=" " \\
@@ -14,10 +15,17 @@ Per row: full-200 req/s (median, then every round's), the mean admission limit o
 p99 of full 200s, 503s per second, the database pool's mean acquire wait, the adaptive limit's
 cuts by cause (`tributary_admission_limit_decreases_total`, summed over the rounds; `–` for a
 static limit; in builds that undo core cuts that did not shorten the queue, how many were
-undone) and how many rounds the measurement flagged as disturbed.
+undone) and how many rounds the measurement flagged as disturbed. A second table gives the
+resources: the gateway's share of its core, each core's busy figure (which one ran out), and the
+local Postgres's CPU per full 200 with where it ran.
+
+`--by-dir` labels each row with its directory's name too (without a trailing `-N`), for an
+experiment that varies what the configuration names cannot: the build (`BIN_DIR`) or the rig
+(`BENCH_PG_CPUS`), e.g. `bench/lib/rounds.py --by-dir /tmp/old-{1,2,3} /tmp/new-{1,2,3}`.
 """
 
 import json
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -45,6 +53,13 @@ def row_of(path: Path) -> tuple[str, dict]:
         "pool_wait_ms": pool.get("mean_ms"),
         "cuts": dict(by_cause) if "tributary_admission_limit_decreases_total" in m else None,
         "disturbed": bool(d["conditions"]["disturbed"]),
+        "gateway_core": d["processes"]["gateway"]["cpu_util"],
+        "core0": d["cores_busy"].get("cpu0"),
+        "core1": d["cores_busy"].get("cpu1"),
+        "pg_us_per_full": d["processes"]["postgres"]["cpu_s"] * 1e6 / d["goodput"]["full_requests"]
+        if d["goodput"]["full_requests"]
+        else None,
+        "pg_cpus": d["config"].get("postgres_cpus") or "unpinned",
     }
 
 
@@ -52,12 +67,13 @@ def fmt(x, pattern="{:,.0f}"):
     return "–" if x is None else pattern.format(x)
 
 
-def main(dirs: list[str]) -> None:
+def main(dirs: list[str], by_dir: bool) -> None:
     rows = defaultdict(list)
     for d in dirs:
+        label = re.sub(r"-\d+$", "", Path(d).name) + " " if by_dir else ""
         for path in sorted(Path(d, "overload-curve", "runs").glob("*.json")):
             name, row = row_of(path)
-            rows[name].append(row)
+            rows[label + name].append(row)
     print("| configuration and point | full 200/s median | each round | mean limit | p99 ms | 503/s | pool wait ms | cuts core / db_pool / both | disturbed |")
     print("|---|---:|---|---:|---:|---:|---:|---|---:|")
     for name in sorted(rows):
@@ -75,9 +91,20 @@ def main(dirs: list[str]) -> None:
         print(f"| {name} | **{fmt(med('goodput'))}** | {', '.join(fmt(r['goodput']) for r in rs)} | {fmt(med('limit'))} "
               f"| {fmt(med('p99'))} | {fmt(med('rejected_per_s'))} | {fmt(med('pool_wait_ms'), '{:.1f}')} | {cuts} "
               f"| {sum(r['disturbed'] for r in rs)} of {len(rs)} |")
+    print()
+    print("| configuration and point | gateway's share of core 0 | core 0 busy | core 1 busy | Postgres µs per full 200 | Postgres on |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name in sorted(rows):
+        rs = rows[name]
+        med = lambda k: statistics.median([r[k] for r in rs]) if all(r[k] is not None for r in rs) else None  # noqa: E731
+        print(f"| {name} | {fmt(med('gateway_core'), '{:.2f}')} | {fmt(med('core0'), '{:.0%}')} | {fmt(med('core1'), '{:.0%}')} "
+              f"| {fmt(med('pg_us_per_full'))} | {', '.join(sorted({r['pg_cpus'] for r in rs}))} |")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: bench/lib/rounds.py BENCH_OUT_DIR...")
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    by_dir = "--by-dir" in args
+    args = [a for a in args if a != "--by-dir"]
+    if not args:
+        sys.exit("usage: bench/lib/rounds.py [--by-dir] BENCH_OUT_DIR...")
+    main(args, by_dir)

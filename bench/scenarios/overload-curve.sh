@@ -133,17 +133,26 @@ cat >"$OUT_DIR/calibration/capacity.json" <<EOF
 EOF
 bench_log "capacity $capacity_rps full-200 req/s, W0 $w0_ms ms; tributary capacity recommends max_in_flight = $capacity_limit"
 
-# 2. The curves, one configuration after the other.
-for config in "${configs[@]}"; do
-  for conns in "${closed_points[@]}"; do
-    curve_point connections "$OUT_DIR/runs/$config-closed-c$conns-r1.json" "$config" closed "$conns"
-  done
-  for factor in "${open_factors[@]}"; do
-    rate="$(python3 -c "import sys; print(round(float(sys.argv[1]) * float(sys.argv[2])))" "$factor" "$capacity_rps")"
-    curve_point rate "$OUT_DIR/runs/$config-open-x$factor-r1.json" "$config" open "$open_cap" "$rate"
-  done
-  for conns in "${retry_points[@]}"; do
-    curve_point connections "$OUT_DIR/runs/$config-retry-after-c$conns-r1.json" "$config" retry-after "$conns"
+# 2. The curves, interleaved: each point is measured with every configuration in turn, and the
+#    order of the configurations rotates from one point to the next. Run one configuration after
+#    the other (as before 2026-12-04), the last one always ran ~12 minutes later than the first
+#    on a VM whose speed drifts by 10-30 % in that time, and the shipped line always ran last.
+points=()
+for conns in "${closed_points[@]}"; do points+=("closed $conns"); done
+for factor in "${open_factors[@]}"; do points+=("open $factor"); done
+for conns in "${retry_points[@]}"; do points+=("retry-after $conns"); done
+for i in "${!points[@]}"; do
+  read -r shape x <<<"${points[$i]}"
+  for ((k = 0; k < ${#configs[@]}; k++)); do
+    config="${configs[$(((i + k) % ${#configs[@]}))]}"
+    case "$shape" in
+      closed) curve_point connections "$OUT_DIR/runs/$config-closed-c$x-r1.json" "$config" closed "$x" ;;
+      open)
+        rate="$(python3 -c "import sys; print(round(float(sys.argv[1]) * float(sys.argv[2])))" "$x" "$capacity_rps")"
+        curve_point rate "$OUT_DIR/runs/$config-open-x$x-r1.json" "$config" open "$open_cap" "$rate"
+        ;;
+      retry-after) curve_point connections "$OUT_DIR/runs/$config-retry-after-c$x-r1.json" "$config" retry-after "$x" ;;
+    esac
   done
 done
 bench_stop_sims
