@@ -288,6 +288,7 @@ bench_postgres_pids() {
 # server on this machine whose postmaster.pid names a live process is touched; anything else (a
 # remote server, no permission) is logged and left where it is, and the placement says so.
 bench_pin_postgres() {
+  [[ -z "$PG_POSTMASTER" ]] || return 0
   export BENCH_PG_PLACEMENT="unpinned"
   [[ "$PG_CPUS" != any ]] || return 0
   local datadir pid
@@ -306,6 +307,13 @@ bench_pin_postgres() {
       return 0
     }
   done
+  # Already on exactly these cores before the run: most likely a run killed before it could give
+  # the mask back (SIGKILL runs no trap). Then the run gives it every online core, the service's
+  # own placement, rather than keeping the left-over pin.
+  if [[ "$(taskset -p "$pid" | awk '{print $NF}')" == "$PG_SAVED_MASK" ]]; then
+    PG_SAVED_MASK="$(printf '%x' $(((1 << $(nproc)) - 1)))"
+    bench_log "Postgres was already pinned to cores $PG_CPUS (a run killed mid-way?): it gets mask $PG_SAVED_MASK back"
+  fi
   BENCH_PG_PLACEMENT="cores $PG_CPUS"
   bench_log "Postgres (postmaster $pid and its backends) pinned to cores $PG_CPUS for this run"
 }
