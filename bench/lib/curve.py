@@ -18,9 +18,16 @@ Definitions:
 * goodput = full (non-degraded) 200s per second; peak = the larger of the capacity and the
   configuration's best goodput in any run.
 * half-load p99 = the configuration's client-side p99 of full 200s at its open-loop 0.5× point.
-* CPU per rejection is estimated as (gateway CPU − answered 200s × the CPU per request at the
-  configuration's least-rejecting run) ÷ rejections: a two-cost model, not a measurement of
-  the rejection path alone (bench/profile is).
+* CPU per rejection is fitted per configuration: gateway CPU = a × other answers + b × rejections
+  by least squares over its saturated points (the gateway using ≥ 80 % of its core, so a served
+  request costs about the same at each; an unsaturated one costs more, its wake-ups not batched),
+  when they are at least three and their rejection shares span at least 20 points; b ÷ a is the
+  check, and each point shows b × its rejections ÷ its CPU, the share of the gateway's CPU its
+  rejections took. A two-cost model over runs, not a measurement of the rejection path alone
+  (bench/profile rejections is). Until 2026-12-05 it was one point's CPU minus its 200s at the
+  least-rejecting point's cost per request, ÷ its rejections: at points with few rejections that
+  divided noise by a small number (5.5× a request at 67 rejections a second), and the
+  least-rejecting point was unsaturated, its requests dearer.
 * breaker opened = tributary_downstream_circuit_transitions_total{to="open"} grew, when the
   family exists; otherwise a sampled tributary_downstream_circuit_state reached 2 (open) or an
   answer was short-circuited (downstream outcome circuit_open).
@@ -112,24 +119,45 @@ def point(run: dict, capacity: float, w0_ms: float) -> dict:
     }
 
 
+FIT_MIN_UTILISATION = 0.8  # the gateway's share of its core for a point to be in the fit
+FIT_MIN_POINTS = 3
+FIT_MIN_SPAN = 0.2  # of the rejection share, between the fit's points
+
+
+def rejection_fit(ps: list[dict]) -> dict | None:
+    """CPU = a × other answers + b × rejections (ms), least squares over the saturated points."""
+    import numpy as np
+
+    sat = [p for p in ps if p["cpu_s"] and p["answered"]
+           and p["cpu_s"] / p["duration_s"] >= FIT_MIN_UTILISATION]
+    shares = [p["rejected"] / p["answered"] for p in sat]
+    if len(sat) < FIT_MIN_POINTS or max(shares) - min(shares) < FIT_MIN_SPAN:
+        return None
+    x = np.array([[p["answered"] - p["rejected"], p["rejected"]] for p in sat], dtype=float)
+    y = np.array([p["cpu_s"] * 1000 for p in sat])
+    (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
+    if a <= 0 or b < 0:
+        return None
+    residual = float(np.max(np.abs(x @ np.array([a, b]) - y) / y))
+    return {"a_ms": float(a), "b_ms": float(b), "ratio": float(b / a), "points": len(sat),
+            "max_residual": residual}
+
+
 def add_estimates(points: list[dict], capacity: float) -> dict[str, dict]:
-    """Per configuration: peak, half-load p99, CPU per served request; per point: CPU per rejection."""
+    """Per configuration: peak, half-load p99, the rejection fit; per point: the rejections' CPU share."""
     per_config = {}
     for config in dict.fromkeys(p["config"] for p in points):
         ps = [p for p in points if p["config"] == config]
         half = [p for p in ps if p["shape"] == "open" and abs(p["x"] - 0.5) < 0.26]
-        served = sorted((p for p in ps if p["answered"] and p["cpu_s"]), key=lambda p: p["rejected"] / p["answered"])
-        cpu_served = served[0]["cpu_s"] * 1000 / served[0]["answered"] if served else None
+        fit = rejection_fit(ps)
         per_config[config] = {
             "peak": max([capacity] + [p["goodput"] for p in ps]),
             "half_p99": half[0]["p99"] if half else None,
-            "cpu_ms_served": cpu_served,
+            "rejection_fit": fit,
         }
         for p in ps:
-            if cpu_served and p["rejected"] >= 100 and p["cpu_s"]:
-                rest = p["cpu_s"] * 1000 - p["ok_200"] * cpu_served
-                p["cpu_ms_per_rejection"] = max(rest, 0.0) / p["rejected"]
-                p["rejection_cpu_ratio"] = p["cpu_ms_per_rejection"] / cpu_served
+            if fit and p["rejected"] and p["cpu_s"]:
+                p["rejection_cpu_share"] = fit["b_ms"] * p["rejected"] / (p["cpu_s"] * 1000)
     return per_config
 
 
@@ -151,7 +179,7 @@ def checks(points: list[dict], per_config: dict) -> list[dict]:
             worst_goodput = min([p["goodput"] / est["peak"] for p in over], default=None)
             p99_ratio = [p["p99"] / est["half_p99"] for p in over if p["p99"] and est["half_p99"]]
             rej = [p for p in ps if (p["server_rej_count"] or 0) >= 100]
-            rej_cpu = [p["rejection_cpu_ratio"] for p in ps if "rejection_cpu_ratio" in p]
+            fit = est["rejection_fit"]
             rows.append({
                 "config": config, "shape": shape,
                 "goodput": (verdict([p["goodput"] >= 0.9 * est["peak"] for p in over]),
@@ -160,8 +188,11 @@ def checks(points: list[dict], per_config: dict) -> list[dict]:
                         f"max {max(p99_ratio):.1f}× (half load {fmt(est['half_p99'])} ms)" if p99_ratio else "–"),
                 "rejection_fast": (verdict([(p["server_rej_le_1ms"] or 0) >= 0.99 for p in rej]),
                                    f"min {pct(min(p['server_rej_le_1ms'] or 0 for p in rej))} ≤ 1 ms" if rej else "no rejections"),
-                "rejection_cpu": (verdict([r <= 0.1 for r in rej_cpu]),
-                                  f"max {max(rej_cpu):.0%} of a request" if rej_cpu else "–"),
+                "rejection_cpu": (verdict([fit["ratio"] <= 0.1] if fit else []),
+                                  f"{fit['ratio']:.0%} of a request: {fit['b_ms'] * 1000:.0f} µs against "
+                                  f"{fit['a_ms'] * 1000:.0f} µs (fit over the configuration's {fit['points']} "
+                                  f"saturated points, worst residual {fit['max_residual']:.0%})"
+                                  if fit else "– (too few saturated points to fit)"),
                 "breakers": (verdict([p["breaker_opens"] == 0 and p["circuit_open_answers"] == 0 for p in ps]),
                              f"{sum(p['breaker_opens'] for p in ps)} opens ({ps[0]['breaker_basis']}), "
                              f"{sum(p['circuit_open_answers'] for p in ps):,} short-circuited calls"),
@@ -175,7 +206,7 @@ def checks(points: list[dict], per_config: dict) -> list[dict]:
 
 CHECK_COLUMNS = [
     ("goodput", "goodput ≥ 90 % of peak, 1×–20×"), ("p99", "p99 of successes ≤ 2× half-load p99"),
-    ("rejection_fast", "server p99 of 503s < 1 ms"), ("rejection_cpu", "CPU per rejection ≤ 10 % (estimate)"),
+    ("rejection_fast", "server p99 of 503s < 1 ms"), ("rejection_cpu", "CPU per rejection ≤ 10 % (fit)"),
     ("breakers", "no breaker opened"), ("readiness", "no readiness flap"), ("sockets", "no socket errors"),
 ]
 
@@ -215,7 +246,7 @@ def markdown(points, per_config, check_rows, runs, calib, about, command) -> str
     out += ["", "## Every point", "",
             "| configuration | shape | load | × capacity | sent/s | unsent (late) | **full 200/s** | of peak | "
             "degraded/s | 503+429/s | other statuses | full 200 p50 / p99 ms (client) | 200 p99 ms (server) | rejection p99 ms "
-            "(client) | 503 p99 bucket ms (server) | 503s ≤ 1 ms | CPU ms/answer | CPU ms/rejection (est.) | "
+            "(client) | 503 p99 bucket ms (server) | 503s ≤ 1 ms | CPU ms/answer | CPU to rejections (fit) | "
             "peak RSS MB | socket errors | breaker opens | short-circuited calls | unready turns | admission limit "
             "(dashboard) min–max | loadgen cores |",
             "|" + "---|" * 25]
@@ -228,7 +259,7 @@ def markdown(points, per_config, check_rows, runs, calib, about, command) -> str
             fmt(p["rejected_rps"], 0), ", ".join(f"{k}: {v:,}" for k, v in p["other_status"].items()) or "0",
             f"{fmt(p['p50'])} / {fmt(p['p99'])}", fmt(p["server_p99"]), fmt(p["rej_p99"], 2),
             "–" if not bucket else (f"> {bucket[0]:g}" if bucket[1] is None else f"{bucket[0]:g}–{bucket[1]:g}"),
-            pct(p["server_rej_le_1ms"]), fmt(p["cpu_ms_per_answer"], 3), fmt(p.get("cpu_ms_per_rejection"), 3),
+            pct(p["server_rej_le_1ms"]), fmt(p["cpu_ms_per_answer"], 3), pct(p.get("rejection_cpu_share")),
             fmt(p["rss_mb"]), ", ".join(f"{k} {v}" for k, v in p["socket"].items() if v) or "0",
             str(p["breaker_opens"]), f"{p['circuit_open_answers']:,}",
             "–" if p["shedding_max"] is None else str(p["flaps"]),
