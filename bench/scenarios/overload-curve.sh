@@ -17,6 +17,7 @@ read -r -a configs <<<"${BENCH_CONFIGS:-none reports capacity default}"
 open_cap=${BENCH_OPEN_MAX_CONNECTIONS:-$(bench_pick 10000 500)}
 calib_light=${BENCH_CAPACITY_LIGHT_CONNECTIONS:-$(bench_pick 50 10)}
 calib_conns=${BENCH_CAPACITY_CONNECTIONS:-$(bench_pick 500 50)}
+calib_max=${BENCH_CAPACITY_MAX_CONNECTIONS:-$(bench_pick 4000 100)}
 
 loadgen="$(bench_example_bin loadgen)"
 tributary="$(bench_gateway_bin tributary)"
@@ -52,7 +53,10 @@ config_env() {
     target-[0-9]*) echo "TRIBUTARY_OVERLOAD__QUEUE_DELAY_TARGET=${1#target-}ms" ;;
     # static-N: a static limit of N permits (the shipped wait), to compare with a learnt one.
     static-[0-9]*) echo "TRIBUTARY_ADMISSION__MODE=static TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=${1#static-}" ;;
-    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, unchecked, probe, noprobe, target-N, static-N)"; exit 2 ;;
+    # dbpool-N: the shipped defaults with N pooled database connections (max_replicas lowered so
+    # that N × replicas still fits the server's connections, as start-up checks).
+    dbpool-[0-9]*) echo "TRIBUTARY_DATABASE__MAX_CONNECTIONS=${1#dbpool-} TRIBUTARY_DATABASE__MAX_REPLICAS=1" ;;
+    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, unchecked, probe, noprobe, target-N, static-N, dbpool-N)"; exit 2 ;;
   esac
 }
 
@@ -119,10 +123,27 @@ if [[ -z "$w0_ms" ]]; then
   w0_ms="$(json_field "$OUT_DIR/calibration/light.json" latency_ms.mean)"
 fi
 if [[ -z "$capacity_rps" ]]; then
-  curve_point connections "$OUT_DIR/calibration/peak.json" default closed "$calib_conns"
-  capacity_rps="$(json_field "$OUT_DIR/calibration/peak.json" goodput.full_rps)"
+  # Capacity is what the gateway's core carries, so the calibration load must saturate it: a
+  # closed loop of N connections can offer no more than N ÷ W0 (Little's law), and on a fast VM
+  # 500 connections left the core 30 % idle, which put C under the gateway's real peak and the
+  # 500-connection and open-loop 1× points "past capacity" when they were not. The connections
+  # double until the gateway uses ≥ 90 % of its core (at most $calib_max), and C is the best
+  # full-200 rate seen.
+  conns=$calib_conns
+  capacity_rps=0
+  while :; do
+    curve_point connections "$OUT_DIR/calibration/peak-c$conns.json" default closed "$conns"
+    rps="$(json_field "$OUT_DIR/calibration/peak-c$conns.json" goodput.full_rps)"
+    util="$(json_field "$OUT_DIR/calibration/peak-c$conns.json" processes.gateway.cpu_util)"
+    capacity_rps="$(python3 -c 'import sys; print(max(float(sys.argv[1]), float(sys.argv[2])))' "$capacity_rps" "$rps")"
+    bench_log "calibration: $conns connections, $rps full 200/s, gateway $util of its core"
+    calib_used=$conns
+    python3 -c 'import sys; sys.exit(float(sys.argv[1]) < 0.9)' "$util" && break
+    ((conns * 2 <= calib_max)) || break
+    conns=$((conns * 2))
+  done
 fi
-capacity_basis="full-200 req/s of the shipped defaults at $calib_conns closed-loop connections (calibration)"
+capacity_basis="the best full-200 req/s of the shipped defaults in closed loops from $calib_conns connections, doubled until the gateway's core was ≥ 90 % busy (last: ${calib_used:-$calib_conns}) (calibration)"
 [[ -z "${BENCH_CAPACITY_RPS:-}" ]] || capacity_basis="BENCH_CAPACITY_RPS"
 "$tributary" capacity --target-rps "$capacity_rps" --latency-ms "$w0_ms" >"$OUT_DIR/calibration/capacity.txt"
 capacity_limit="$(tail -n 1 "$OUT_DIR/calibration/capacity.txt" | python3 -c 'import json, sys; print(json.load(sys.stdin)["admission_limit"])')"
