@@ -36,7 +36,11 @@ pub(crate) struct Interval {
 /// - saturated, and the limit in use (at least half of it held): × 0.9, but at most once per
 ///   smoothed permit-hold time, so the effect of one cut is seen before the next is made;
 /// - not saturated and the limit is what stopped requests: grow, × 1.1 while the delay is under
-///   half the target, by √limit (gently) closer to it;
+///   half the target, by √limit (gently) closer to it, and by √limit too for
+///   [`QueueDelayLimit::NEAR_KNEE_FOR`] after any cut: the cut found the knee, and growing back
+///   by a tenth per interval overshot it again at once (the lab's `near-knee` experiment: the
+///   limit sat ~20 % over the database pool's knee, requests waited 50–70 ms for a connection;
+///   growing by √limit after a cut cut that wait by a quarter to a half at the same goodput);
 /// - otherwise hold: an application-limited gateway learns nothing about its capacity.
 ///
 /// **A cut made for the core's queue alone must shorten it** (`overload.check_core_cuts`). The
@@ -127,6 +131,9 @@ impl QueueDelayLimit {
     /// A cut for the core's queue is kept when the queue shrank to at most this share of the
     /// delay that called for it.
     const RELIEF: f64 = 0.9;
+    /// For this long after a cut the limit grows additively (√limit a second), not by a tenth
+    /// per interval: the cut found the knee, and the knee moves slowly.
+    pub(crate) const NEAR_KNEE_FOR: Duration = Duration::from_secs(5);
     /// How long the core's queue is left out after a cut that did not shorten it.
     pub(crate) const IGNORE_CORE_FOR: Duration = Duration::from_secs(1);
 
@@ -206,7 +213,16 @@ impl QueueDelayLimit {
                 self.limit = (self.limit + self.limit.sqrt() * per_interval).min(self.max);
             }
         } else if seen.limited {
-            self.limit = if seen.delay < self.target / 2 {
+            let near_knee = self
+                .last_decrease
+                .is_some_and(|t| now.saturating_duration_since(t) < Self::NEAR_KNEE_FOR);
+            self.limit = if near_knee {
+                // A cut in the last few seconds found the knee: come back to it by √limit an
+                // interval, not by a tenth, so that the overshoot past it (and the line the
+                // overshoot stands in) is smaller. √limit a second was tried and kept the limit
+                // under the knee too long: the core went a fifth idle.
+                self.limit + self.limit.sqrt()
+            } else if seen.delay < self.target / 2 {
                 self.limit * Self::FAST_INCREASE
             } else {
                 self.limit + self.limit.sqrt()

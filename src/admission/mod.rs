@@ -925,7 +925,18 @@ mod tests {
         let held: Vec<_> = futures::future::join_all((0..91).map(|_| l.acquire())).await;
         assert!(held.iter().any(Result::is_err), "the limit turned one away");
         l.end_interval(Instant::now(), false);
-        assert_eq!(l.limit(), 99, "calm and limiting: grow");
+        assert_eq!(
+            l.limit(),
+            91,
+            "calm and limiting a second after a cut: grow back gently (√90 a second)"
+        );
+        drop(held);
+        tokio::time::advance(limit::QueueDelayLimit::NEAR_KNEE_FOR).await;
+        q.observe_window(Duration::from_micros(100), 1.0);
+        let held: Vec<_> = futures::future::join_all((0..92).map(|_| l.acquire())).await;
+        assert!(held.iter().any(Result::is_err), "the limit turned one away");
+        l.end_interval(Instant::now(), false);
+        assert_eq!(l.limit(), 100, "calm and limiting long after the last cut: grow by a tenth");
     }
 
     #[tokio::test(start_paused = true)]
