@@ -21,10 +21,10 @@
 //!
 //! The core is not the only queue an admitted request can wait in. [`StandingQueue`] judges
 //! a queue inside the gateway (the database pool's) the same way: over each control window,
-//! was *every* wait that ended in it longer than the target? A pool that is merely busy hands
-//! some request a free connection at once; a pool with more requests admitted than it can
-//! serve makes them all wait, and admitting more only lengthens that wait until it eats the
-//! requests' deadlines (the lab's caching spike: the limit grew to 2,500 while 2,400 requests
+//! was *every* wait that ended in it longer than the target, or did they average over twice
+//! it? A pool that is merely busy hands some request a free connection at once and most
+//! others one soon after; a pool with more requests admitted than it can serve makes them
+//! wait, and admitting more only lengthens that wait until it eats the requests' deadlines (the lab's caching spike: the limit grew to 2,500 while 2,400 requests
 //! waited for 20 connections, and most dashboards lost their orders part).
 //!
 //! Readers are cheap: a few relaxed atomic loads, no lock.
@@ -172,11 +172,18 @@ impl QueueDelay {
 
 /// A queue inside the gateway that admitted requests wait in (the database pool's), judged like
 /// CoDel judges a link: **standing** over a window when every wait that ended in it was longer
-/// than the target, or when requests waited through the whole window and none got through.
+/// than the target, or when requests waited through the whole window and none got through;
+/// and, unlike CoDel, also when the waits that ended in it averaged over [`MEAN_OVER`] targets.
+/// CoDel's minimum alone let the adaptive limit sit a fifth over the pool's knee with a 50–70 ms
+/// line (the lab's `near-knee` experiment): under overload some request finds a free connection
+/// in most windows, by chance, and each such window let the limit grow.
 /// The waiter records its own waits ([`StandingQueue::enter`], [`StandingQueue::waited`]), and
 /// the queue publishes how many wait right now;
 /// the admission control loop closes a window every 100 ms ([`StandingQueue::close_window`])
 /// and treats a standing inner queue as it treats a saturated core.
+/// An inner queue also stands when its waits averaged this many targets over a window.
+pub(crate) const MEAN_OVER: u64 = 2;
+
 #[derive(Clone)]
 pub(crate) struct StandingQueue {
     shared: Arc<QueueShared>,
@@ -185,6 +192,9 @@ pub(crate) struct StandingQueue {
 struct QueueShared {
     /// The shortest wait that ended in the current window (`u64::MAX`: none ended yet).
     min_wait_nanos: AtomicU64,
+    /// The waits that ended in the current window: their sum and how many.
+    wait_sum_nanos: AtomicU64,
+    waits: AtomicU64,
     /// Waiting right now, and at the last close.
     waiting: AtomicUsize,
     waiting_at_close: AtomicUsize,
@@ -203,6 +213,8 @@ impl StandingQueue {
         Self {
             shared: Arc::new(QueueShared {
                 min_wait_nanos: AtomicU64::new(u64::MAX),
+                wait_sum_nanos: AtomicU64::new(0),
+                waits: AtomicU64::new(0),
                 waiting: AtomicUsize::new(0),
                 waiting_at_close: AtomicUsize::new(0),
                 standing,
@@ -222,15 +234,18 @@ impl StandingQueue {
     /// A wait ended after `wait` (got through, or gave up).
     pub(crate) fn waited(&self, wait: Duration) {
         let nanos = u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX - 1);
-        self.shared
-            .min_wait_nanos
-            .fetch_min(nanos, Ordering::Relaxed);
+        let s = &self.shared;
+        s.min_wait_nanos.fetch_min(nanos, Ordering::Relaxed);
+        s.wait_sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+        s.waits.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Ends the current window: whether the queue stood over it (also published in the gauge).
     pub(crate) fn close_window(&self, target: Duration) -> bool {
         let s = &self.shared;
         let min = s.min_wait_nanos.swap(u64::MAX, Ordering::Relaxed);
+        let sum = s.wait_sum_nanos.swap(0, Ordering::Relaxed);
+        let waits = s.waits.swap(0, Ordering::Relaxed);
         let waiting = s.waiting.load(Ordering::Relaxed);
         let waited_through = s.waiting_at_close.swap(waiting, Ordering::Relaxed) > 0;
         let standing = if min == u64::MAX {
@@ -238,7 +253,11 @@ impl StandingQueue {
             // close (a request that joined a moment ago says nothing yet).
             waiting > 0 && waited_through
         } else {
-            min > target.as_nanos() as u64
+            let target = target.as_nanos() as u64;
+            // CoDel's test (every wait over the target), or a line whose mean wait is over
+            // MEAN_OVER targets: one request that finds a free connection at once does not
+            // make a pool with a 60 ms line calm.
+            min > target || sum / waits.max(1) > target.saturating_mul(MEAN_OVER)
         };
         s.standing.set(if standing { 1.0 } else { 0.0 });
         standing
@@ -431,16 +450,17 @@ mod tests {
     }
 
     #[test]
-    fn an_inner_queue_stands_only_when_every_wait_in_the_window_was_over_target() {
+    fn an_inner_queue_stands_when_every_wait_in_the_window_was_over_target() {
         let q = StandingQueue::new(
             metrics::gauge!("test_standing"),
             metrics::gauge!("test_length"),
         );
         assert!(!q.close_window(TARGET), "nothing happened");
-        // A busy pool: most waits long, but one request found a free connection at once.
-        q.waited(Duration::from_millis(40));
+        // A busy pool: some waits over the target, but one request found a free connection at
+        // once and the line is short on average.
+        q.waited(Duration::from_millis(8));
         q.waited(Duration::from_micros(30));
-        q.waited(Duration::from_millis(90));
+        q.waited(Duration::from_millis(9));
         assert!(!q.close_window(TARGET), "one short wait: the queue drains");
         q.waited(Duration::from_millis(40));
         q.waited(Duration::from_millis(6));
@@ -450,6 +470,24 @@ mod tests {
             !q.close_window(TARGET),
             "the next window with a short wait ends it"
         );
+    }
+
+    #[test]
+    fn an_inner_queue_stands_when_its_waits_average_over_twice_the_target_though_one_was_short() {
+        let q = StandingQueue::new(
+            metrics::gauge!("test_long_line"),
+            metrics::gauge!("test_length"),
+        );
+        // The lab's overload: one request found a free connection at once, the others waited
+        // 40 and 90 ms. CoDel's minimum calls it draining; the mean (43 ms) says it stands.
+        q.waited(Duration::from_millis(40));
+        q.waited(Duration::from_micros(30));
+        q.waited(Duration::from_millis(90));
+        assert!(q.close_window(TARGET), "a long line on average");
+        // Just under the mean's bar: not standing.
+        q.waited(Duration::from_micros(30));
+        q.waited(TARGET * MEAN_OVER as u32 * 2 - Duration::from_micros(100));
+        assert!(!q.close_window(TARGET), "mean just under twice the target");
     }
 
     #[test]
