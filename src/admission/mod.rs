@@ -936,7 +936,11 @@ mod tests {
         let held: Vec<_> = futures::future::join_all((0..92).map(|_| l.acquire())).await;
         assert!(held.iter().any(Result::is_err), "the limit turned one away");
         l.end_interval(Instant::now(), false);
-        assert_eq!(l.limit(), 100, "calm and limiting long after the last cut: grow by a tenth");
+        assert_eq!(
+            l.limit(),
+            100,
+            "calm and limiting long after the last cut: grow by a tenth"
+        );
     }
 
     #[tokio::test(start_paused = true)]
