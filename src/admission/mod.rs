@@ -346,7 +346,7 @@ pub(crate) const REJECTIONS: Family = Family::counter(
 );
 pub(crate) const DECREASES: Family = Family::counter(
     "tributary_admission_limit_decreases_total",
-    "Cuts of the adaptive limit, by group and cause (core: the runtime's queueing delay was over target; db_pool: every wait for a database connection was; both).",
+    "Cuts of the adaptive limit, by group and cause (core: the runtime's queueing delay was over target; db_pool: every wait for a database connection was, or they averaged over twice it; both).",
 );
 pub(crate) const CUTS_UNDONE: Family = Family::counter(
     "tributary_admission_limit_cuts_undone_total",

@@ -111,7 +111,7 @@ pub(crate) const QUERY_DURATION: Family = Family::seconds(
 
 pub(crate) const POOL_QUEUE_STANDING: Family = Family::gauge(
     "tributary_db_pool_queue_standing",
-    "1 while every wait for a pooled connection over the last 100 ms was longer than overload.queue_delay_target (more requests admitted than the pool serves; the adaptive admission limit shrinks), else 0.",
+    "1 while every wait for a pooled connection over the last 100 ms was longer than overload.queue_delay_target, or the waits averaged over twice it (more requests admitted than the pool serves; the adaptive admission limit shrinks), else 0.",
 );
 
 /// The families this module records.
