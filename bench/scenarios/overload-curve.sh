@@ -131,6 +131,7 @@ if [[ -z "$capacity_rps" ]]; then
   # full-200 rate seen.
   conns=$calib_conns
   capacity_rps=0
+  rm -f "$OUT_DIR"/calibration/peak*.json # an earlier run's points, which this one may not reach
   while :; do
     curve_point connections "$OUT_DIR/calibration/peak-c$conns.json" default closed "$conns"
     rps="$(json_field "$OUT_DIR/calibration/peak-c$conns.json" goodput.full_rps)"
