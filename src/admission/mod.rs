@@ -914,31 +914,32 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_adaptive_limit_shrinks_while_saturated_and_grows_when_it_limits_a_calm_runtime() {
-        let (l, q) = limiter(AdmissionMode::Adaptive, 100, Duration::ZERO);
-        let held = hold(&l, 100).await;
+        // At 900 growing by a tenth (990) and by √limit (930) differ, so the test tells them apart.
+        let (l, q) = limiter(AdmissionMode::Adaptive, 1000, Duration::ZERO);
+        let held = hold(&l, 1000).await;
         q.observe_window(Duration::from_millis(50), 1.0);
         l.end_interval(Instant::now(), false);
-        assert_eq!(l.limit(), 90, "saturated with the limit in use: cut");
+        assert_eq!(l.limit(), 900, "saturated with the limit in use: cut");
         drop(held);
         tokio::time::advance(Duration::from_secs(1)).await;
         q.observe_window(Duration::from_micros(100), 1.0);
-        let held: Vec<_> = futures::future::join_all((0..91).map(|_| l.acquire())).await;
+        let held: Vec<_> = futures::future::join_all((0..901).map(|_| l.acquire())).await;
         assert!(held.iter().any(Result::is_err), "the limit turned one away");
         l.end_interval(Instant::now(), false);
         assert_eq!(
             l.limit(),
-            91,
-            "calm and limiting a second after a cut: grow back gently (√90 a second)"
+            930,
+            "calm and limiting a second after a cut: grow back by √limit, not by a tenth"
         );
         drop(held);
         tokio::time::advance(limit::QueueDelayLimit::NEAR_KNEE_FOR).await;
         q.observe_window(Duration::from_micros(100), 1.0);
-        let held: Vec<_> = futures::future::join_all((0..92).map(|_| l.acquire())).await;
+        let held: Vec<_> = futures::future::join_all((0..931).map(|_| l.acquire())).await;
         assert!(held.iter().any(Result::is_err), "the limit turned one away");
         l.end_interval(Instant::now(), false);
         assert_eq!(
             l.limit(),
-            100,
+            1023,
             "calm and limiting long after the last cut: grow by a tenth"
         );
     }
