@@ -24,8 +24,9 @@
 //! was *every* wait that ended in it longer than the target, or did they average over twice
 //! it? A pool that is merely busy hands some request a free connection at once and most
 //! others one soon after; a pool with more requests admitted than it can serve makes them
-//! wait, and admitting more only lengthens that wait until it eats the requests' deadlines (the lab's caching spike: the limit grew to 2,500 while 2,400 requests
-//! waited for 20 connections, and most dashboards lost their orders part).
+//! wait, and admitting more only lengthens that wait until it eats the requests' deadlines
+//! (the lab's caching spike: the limit grew to 2,500 while 2,400 requests waited for 20
+//! connections, and most dashboards lost their orders part).
 //!
 //! Readers are cheap: a few relaxed atomic loads, no lock.
 
@@ -170,6 +171,9 @@ impl QueueDelay {
     }
 }
 
+/// A [`StandingQueue`] also stands when its waits averaged this many targets over a window.
+pub(crate) const MEAN_OVER: u64 = 2;
+
 /// A queue inside the gateway that admitted requests wait in (the database pool's), judged like
 /// CoDel judges a link: **standing** over a window when every wait that ended in it was longer
 /// than the target, or when requests waited through the whole window and none got through;
@@ -181,9 +185,6 @@ impl QueueDelay {
 /// the queue publishes how many wait right now;
 /// the admission control loop closes a window every 100 ms ([`StandingQueue::close_window`])
 /// and treats a standing inner queue as it treats a saturated core.
-/// An inner queue also stands when its waits averaged this many targets over a window.
-pub(crate) const MEAN_OVER: u64 = 2;
-
 #[derive(Clone)]
 pub(crate) struct StandingQueue {
     shared: Arc<QueueShared>,

@@ -131,8 +131,8 @@ impl QueueDelayLimit {
     /// A cut for the core's queue is kept when the queue shrank to at most this share of the
     /// delay that called for it.
     const RELIEF: f64 = 0.9;
-    /// For this long after a cut the limit grows additively (√limit a second), not by a tenth
-    /// per interval: the cut found the knee, and the knee moves slowly.
+    /// For this long after a cut the limit grows by √limit an interval, not by a tenth: the cut
+    /// found the knee, and the knee moves slowly.
     pub(crate) const NEAR_KNEE_FOR: Duration = Duration::from_secs(5);
     /// How long the core's queue is left out after a cut that did not shorten it.
     pub(crate) const IGNORE_CORE_FOR: Duration = Duration::from_secs(1);
@@ -216,13 +216,11 @@ impl QueueDelayLimit {
             let near_knee = self
                 .last_decrease
                 .is_some_and(|t| now.saturating_duration_since(t) < Self::NEAR_KNEE_FOR);
-            self.limit = if near_knee {
-                // A cut in the last few seconds found the knee: come back to it by √limit an
-                // interval, not by a tenth, so that the overshoot past it (and the line the
-                // overshoot stands in) is smaller. √limit a second was tried and kept the limit
-                // under the knee too long: the core went a fifth idle.
-                self.limit + self.limit.sqrt()
-            } else if seen.delay < self.target / 2 {
+            // A cut in the last few seconds found the knee: come back to it by √limit an
+            // interval, not by a tenth, so that the overshoot past it (and the line the
+            // overshoot stands in) is smaller. √limit a second was tried and kept the limit
+            // under the knee too long: the core went a fifth idle.
+            self.limit = if !near_knee && seen.delay < self.target / 2 {
                 self.limit * Self::FAST_INCREASE
             } else {
                 self.limit + self.limit.sqrt()

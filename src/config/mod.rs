@@ -484,9 +484,9 @@ pub struct OverloadSettings {
     pub queue_delay_target: Duration,
     /// The adaptive admission limit also treats the database pool's line as saturation: a
     /// window in which every wait for a connection was over the target, or the waits averaged
-    /// over twice it, shrinks it. False: only
-    /// the core's queue moves the limit, and requests admitted past what the pool serves wait
-    /// for it (up to their deadline) and lose their database part instead of getting a 503.
+    /// over twice it, shrinks it. False: only the core's queue moves the limit, and requests
+    /// admitted past what the pool serves wait for it (up to their deadline) and lose their
+    /// database part instead of getting a 503.
     pub follow_db_pool: bool,
     /// A cut of the adaptive limit made for the core's queue alone is undone when, a permit
     /// hold later, the queue has not shortened (it is then made of something the limit does
