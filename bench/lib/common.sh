@@ -19,6 +19,14 @@ LOADGEN_CPUS="${BENCH_LOADGEN_CPUS:-1}"
 # of every run before 2026-12-04), its ~0.3 core of backends ran on core 0 too: the gateway got
 # 0.67-0.79 of "its" core while core 0 was 98 % busy and core 1 had a quarter free.
 PG_CPUS="${BENCH_PG_CPUS:-$LOADGEN_CPUS}"
+# BENCH_GATEWAY_CPU_QUOTA=F (e.g. 0.5) also caps the gateway at F of its core with a CFS quota
+# (a cgroup's cpu.cfs_quota_us, or cpu.max on cgroup v2, over a 100 ms period: what Kubernetes
+# does for a pod with `limits.cpu: 500m`). On a 2-core machine the rig's core (load generator,
+# simulators, Postgres) runs out near the gateway's full-core peak; a gateway held to half a core
+# leaves the rig room, so what the lab measures under overload is the gateway, not the rig.
+GATEWAY_CPU_QUOTA="${BENCH_GATEWAY_CPU_QUOTA:-}"
+GATEWAY_CGROUP=""
+export BENCH_GATEWAY_CPU_QUOTA="$GATEWAY_CPU_QUOTA" # measure.py records it with every run
 PG_POSTMASTER=""
 PG_SAVED_MASK=""
 PG_URL_BASE="${BENCH_PG_URL_BASE:-postgres://postgres@127.0.0.1:5432}"
@@ -83,6 +91,7 @@ bench_cleanup() {
   for pid in "${BENCH_PIDS[@]}"; do
     bench_stop "$pid"
   done
+  [[ -z "$GATEWAY_CGROUP" ]] || rmdir "$GATEWAY_CGROUP" 2>/dev/null || bench_log "could not remove $GATEWAY_CGROUP"
   bench_unpin_postgres
   if [[ "$BENCH_DB_CREATED" == 1 ]]; then
     psql "$PG_URL_BASE/postgres" -qc "DROP DATABASE IF EXISTS \"$BENCH_DB\" WITH (FORCE)" >/dev/null 2>&1 ||
@@ -405,6 +414,44 @@ bench_stop_sims() {
   SIM_PIDS=()
 }
 
+# bench_gateway_quota : with BENCH_GATEWAY_CPU_QUOTA set, sets GATEWAY_QUOTA_PREFIX to a command
+# prefix that enters the run's CPU-quota cgroup (made on first use, removed by bench_cleanup) and
+# execs the rest: the gateway is in the cgroup from its first instruction and keeps its pid.
+# Without a quota the prefix is empty.
+GATEWAY_QUOTA_PREFIX=()
+bench_gateway_quota() {
+  [[ -n "$GATEWAY_CPU_QUOTA" ]] || return 0
+  local quota_us period_us=100000 root
+  quota_us="$(python3 -c 'import sys; q = float(sys.argv[1]); assert 0 < q <= 64, q; print(round(q * 100000))' \
+    "$GATEWAY_CPU_QUOTA")" || { bench_log "BENCH_GATEWAY_CPU_QUOTA=$GATEWAY_CPU_QUOTA is not a number of cores F with 0 < F ≤ 64"; exit 2; }
+  if [[ -z "$GATEWAY_CGROUP" ]]; then
+    if [[ -e /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]]; then
+      root=/sys/fs/cgroup/cpu # cgroup v1
+      GATEWAY_CGROUP="$root/tributary-bench-$$"
+      if ! { mkdir "$GATEWAY_CGROUP" && echo "$period_us" >"$GATEWAY_CGROUP/cpu.cfs_period_us" &&
+        echo "$quota_us" >"$GATEWAY_CGROUP/cpu.cfs_quota_us"; }; then
+        bench_log "could not set a CPU quota in $GATEWAY_CGROUP"
+        exit 1
+      fi
+    elif grep -qw cpu /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+      root=/sys/fs/cgroup # cgroup v2: the cpu controller must be enabled for the children
+      grep -qw cpu "$root/cgroup.subtree_control" || echo +cpu >"$root/cgroup.subtree_control" ||
+        { bench_log "could not enable the cpu controller in $root"; exit 1; }
+      GATEWAY_CGROUP="$root/tributary-bench-$$"
+      if ! { mkdir "$GATEWAY_CGROUP" && echo "$quota_us $period_us" >"$GATEWAY_CGROUP/cpu.max"; }; then
+        bench_log "could not set a CPU quota in $GATEWAY_CGROUP"
+        exit 1
+      fi
+    else
+      bench_log "BENCH_GATEWAY_CPU_QUOTA needs a writable cgroup cpu controller (/sys/fs/cgroup/cpu or cgroup v2)"
+      exit 1
+    fi
+    bench_log "gateway CPU quota: $quota_us µs per $period_us µs ($GATEWAY_CPU_QUOTA of a core) in $GATEWAY_CGROUP"
+  fi
+  # shellcheck disable=SC2016 # $$ and $0 are the inner shell's
+  GATEWAY_QUOTA_PREFIX=(sh -c 'echo $$ >"$0/cgroup.procs" && exec "$@"' "$GATEWAY_CGROUP")
+}
+
 # bench_start_gateway [ENV=VALUE...] : the gateway on core 0 with one worker, pointed at the
 # simulators and the bench database; extra settings override. Sets GATEWAY_PID and GATEWAY_ENV.
 bench_start_gateway() {
@@ -426,9 +473,10 @@ bench_start_gateway() {
   # built-in defaults (equal to that file, a unit test checks) plus the settings above, and a
   # config file edited in the work tree after the build cannot break or change a run.
   cd "$LOG_DIR"
+  bench_gateway_quota
   # GATEWAY_WRAPPER (an array, empty by default) runs the binary under a tool: bench/profile's
   # instruction and syscall counts put valgrind or strace there.
-  bench_start gateway "$SERVER_CPUS" env -u RUST_LOG -u TRIBUTARY_CONFIG "${GATEWAY_ENV[@]}" \
+  bench_start gateway "$SERVER_CPUS" "${GATEWAY_QUOTA_PREFIX[@]}" env -u RUST_LOG -u TRIBUTARY_CONFIG "${GATEWAY_ENV[@]}" \
     "${GATEWAY_WRAPPER[@]}" "$tributary" serve
   GATEWAY_PID=$BENCH_LAST_PID
   GATEWAY_METRICS_URL="http://127.0.0.1:$GATEWAY_OPS_PORT/metrics"
@@ -459,7 +507,8 @@ bench_start_bare() {
   done
   GATEWAY_ENV+=("$@")
   bare="$(bench_example_bin bare_gateway)"
-  bench_start gateway "$SERVER_CPUS" env "${GATEWAY_ENV[@]}" "${GATEWAY_WRAPPER[@]}" "$bare"
+  bench_gateway_quota
+  bench_start gateway "$SERVER_CPUS" "${GATEWAY_QUOTA_PREFIX[@]}" env "${GATEWAY_ENV[@]}" "${GATEWAY_WRAPPER[@]}" "$bare"
   GATEWAY_PID=$BENCH_LAST_PID
   GATEWAY_METRICS_URL=""
   bench_wait_http "http://127.0.0.1:$GATEWAY_PORT/readyz" "${GATEWAY_START_TIMEOUT:-60}" "$GATEWAY_PID"

@@ -115,11 +115,13 @@ def point(run: dict, capacity: float, w0_ms: float) -> dict:
         "limit_series": [(s["t"], s["admission_limit_dashboard"]) for s in series if "admission_limit_dashboard" in s],
         "retry_after_missing": dig(lg, "retry_after", "missing"),
         "loadgen_cores": dig(run, "processes", "loadgen", "cpu_util"),
+        # The gateway's CPU allowance in cores: its CFS quota (BENCH_GATEWAY_CPU_QUOTA), else 1.
+        "cpu_allowance": cfg.get("gateway_cpu_quota") or 1.0,
         "disturbed": bool(dig(run, "conditions", "disturbed")),
     }
 
 
-FIT_MIN_UTILISATION = 0.8  # the gateway's share of its core for a point to be in the fit
+FIT_MIN_UTILISATION = 0.8  # the gateway's share of its allowance (core or quota) to be in the fit
 FIT_MIN_POINTS = 3
 FIT_MIN_SPAN = 0.2  # of the rejection share, between the fit's points
 
@@ -129,7 +131,7 @@ def rejection_fit(ps: list[dict]) -> dict | None:
     import numpy as np
 
     sat = [p for p in ps if p["cpu_s"] and p["answered"]
-           and p["cpu_s"] / p["duration_s"] >= FIT_MIN_UTILISATION]
+           and p["cpu_s"] / p["duration_s"] >= FIT_MIN_UTILISATION * p["cpu_allowance"]]
     shares = [p["rejected"] / p["answered"] for p in sat]
     if len(sat) < FIT_MIN_POINTS or max(shares) - min(shares) < FIT_MIN_SPAN:
         return None
@@ -211,6 +213,14 @@ CHECK_COLUMNS = [
 ]
 
 
+def allowance(run: dict) -> str:
+    quota = run["config"].get("gateway_cpu_quota")
+    if not quota:
+        return "the whole core"
+    return (f"held to {quota:g} of the core by a CFS quota ({quota * 100_000:,.0f} µs per 100 ms period, "
+            "`BENCH_GATEWAY_CPU_QUOTA`)")
+
+
 def markdown(points, per_config, check_rows, runs, calib, about, command) -> str:
     first = runs[0]
     machine = first.get("machine") or {}
@@ -227,6 +237,9 @@ def markdown(points, per_config, check_rows, runs, calib, about, command) -> str
         f"revision {report.revision(machine)}",
         f"- **Date:** {dates[0]} to {dates[-1]} (UTC); {len(runs)} runs of {first['config']['duration_s']:g} s after "
         f"{first['config']['warmup_s']:g} s of warm-up; runs flagged disturbed: {disturbed}",
+        f"- **Placement:** the gateway on core 0 with one worker, {allowance(first)}; load generator, simulators "
+        f"and the local Postgres ({first['config'].get('postgres_cpus') or 'unpinned'}) on core "
+        f"{first['config'].get('loadgen_cpus')}",
         f"- **Capacity:** {calib['capacity_rps']:,.0f} full-200 req/s ({calib['basis']}); unloaded latency "
         f"W0 = {calib['w0_ms']:.1f} ms; `{calib['capacity_command']}` recommends "
         f"`max_in_flight = {calib['capacity_admission_limit']}` (the `capacity` configuration)",
@@ -292,8 +305,10 @@ def plot(points, per_config, calib, path: Path) -> None:
     configs += [c for c in dict.fromkeys(p["config"] for p in points) if c not in configs]
     colors = {c: f"C{i}" for i, c in enumerate(configs)}
     fig, axes = plt.subplots(4, 3, figsize=(16, 17), squeeze=False)
+    quota = points[0]["cpu_allowance"] if points else 1.0
+    where = "one core" if quota == 1.0 else f"{quota:g} of a core (CFS quota)"
     fig.suptitle(f"overload-curve: capacity {calib['capacity_rps']:,.0f} full-200 req/s, W0 {calib['w0_ms']:.0f} ms "
-                 "(gateway on one core, downstreams 100 ms)", fontsize=11)
+                 f"(gateway on {where}, downstreams 100 ms)", fontsize=11)
     for col, shape in enumerate(SHAPES):
         for config in configs:
             ps = sorted((p for p in points if p["config"] == config and p["shape"] == shape), key=lambda p: p["x"])

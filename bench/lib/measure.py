@@ -584,6 +584,9 @@ def measure_once(args) -> tuple[dict, str]:
             "loadgen_cpus": cpus,
             # Where the local Postgres ran (bench_pin_postgres): "cores N", or "unpinned".
             "postgres_cpus": os.environ.get("BENCH_PG_PLACEMENT"),
+            # The gateway's CFS quota in cores (BENCH_GATEWAY_CPU_QUOTA), or None for its whole core.
+            "gateway_cpu_quota": float(os.environ["BENCH_GATEWAY_CPU_QUOTA"])
+            if os.environ.get("BENCH_GATEWAY_CPU_QUOTA") else None,
             **({"shape": args.shape, "rate": args.rate} if args.loadgen else {}),
             **parse_kv(args.meta),
         },
