@@ -426,8 +426,10 @@ pub struct AdmissionSettings {
     /// A client on HTTP/1 that comes back before its last 503's `Retry-After` (at most
     /// `pushback_max_hold`) and is turned away again gets that 503 only when the `Retry-After`
     /// is over, so a client that retries at once costs one rejection per pause, not one per
-    /// retry; its retries are still read and admitted at once when there is room. Turn off
-    /// behind an L7 proxy that multiplexes many clients onto one upstream connection.
+    /// retry; its retries are still read and admitted at once when there is room. The pause
+    /// doubles while it keeps coming back early (up to `pushback_max_hold`), and each 503's
+    /// `Retry-After` says so. Turn off behind an L7 proxy that multiplexes many clients onto
+    /// one upstream connection.
     pub pushback: bool,
     /// The longest a held 503 waits (and so the longest pause a client that ignores
     /// `Retry-After` is given), at most half of `server.write_timeout`: a held write must not

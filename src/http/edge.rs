@@ -298,19 +298,21 @@ fn shed(
     rejected: Rejected,
     arrived: Instant,
 ) -> axum::response::Response {
-    let secs = rejected.retry_after.as_secs_f64().ceil().max(1.0) as u64;
+    let mut retry_after = rejected.retry_after;
+    if edge.pushback
+        && request.version() <= Version::HTTP_11
+        && let Some(pushback) = request.extensions().get::<Arc<Pushback>>()
+    {
+        // A client back early is asked to stay away longer each time (the pushback's doubling).
+        retry_after = retry_after.max(pushback.rejected(retry_after).stay_away);
+    }
+    let secs = retry_after.as_secs_f64().ceil().max(1.0) as u64;
     let mut response = Response::new(Body::from(SHED_BODY));
     *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
     headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
     stamp(&mut response, request);
-    if edge.pushback
-        && request.version() <= Version::HTTP_11
-        && let Some(pushback) = request.extensions().get::<Arc<Pushback>>()
-    {
-        pushback.rejected(rejected.retry_after);
-    }
     edge.telemetry
         .record_request(route, request.method(), 503, arrived.elapsed());
     response
