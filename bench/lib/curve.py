@@ -17,6 +17,10 @@ Definitions:
   (or BENCH_CAPACITY_RPS / BENCH_CAPACITY_LATENCY_MS).
 * goodput = full (non-degraded) 200s per second; peak = the larger of the capacity and the
   configuration's best goodput in any run.
+* reference = the mean full-200 rate of the reference runs just before and after the point (the
+  shipped defaults at the calibration's peak load; DIR/reference/): the machine's capacity at that
+  moment, which on a shared VM drifts by 10-40 % over a run. The goodput check is made against
+  the peak and, in its own column, against the reference.
 * half-load p99 = the configuration's client-side p99 of full 200s at its open-loop 0.5× point.
 * CPU per rejection is fitted per configuration: gateway CPU = a × other answers + b × rejections
   by least squares over its saturated points (the gateway using ≥ 80 % of its core, so a served
@@ -118,6 +122,7 @@ def point(run: dict, capacity: float, w0_ms: float) -> dict:
         # The gateway's CPU allowance in cores: its CFS quota (BENCH_GATEWAY_CPU_QUOTA), else 1.
         "cpu_allowance": cfg.get("gateway_cpu_quota") or 1.0,
         "disturbed": bool(dig(run, "conditions", "disturbed")),
+        "started_at": run["started_at"],
     }
 
 
@@ -163,6 +168,22 @@ def add_estimates(points: list[dict], capacity: float) -> dict[str, dict]:
     return per_config
 
 
+def load_references(directory: Path) -> list[tuple[str, float]]:
+    """(start, full 200/s) of the reference runs: the shipped defaults at the calibration's peak load,
+    measured before each point and after the last (overload-curve.sh, `reference/`)."""
+    refs = [json.loads(p.read_text()) for p in (directory / "reference").glob("*.json")]
+    return sorted((r["started_at"], r["goodput"]["full_rps"]) for r in refs)
+
+
+def attach_references(points: list[dict], refs: list[tuple[str, float]]) -> None:
+    """Each point's reference: the mean of the reference runs just before and just after it."""
+    for p in points:
+        before = [v for t, v in refs if t <= p["started_at"]][-1:]
+        after = [v for t, v in refs if t > p["started_at"]][:1]
+        near = before + after
+        p["reference"] = sum(near) / len(near) if near else None
+
+
 def verdict(values: list[bool | None]) -> str:
     known = [v for v in values if v is not None]
     if not known:
@@ -186,6 +207,10 @@ def checks(points: list[dict], per_config: dict) -> list[dict]:
                 "config": config, "shape": shape,
                 "goodput": (verdict([p["goodput"] >= 0.9 * est["peak"] for p in over]),
                             f"min {pct(worst_goodput)} of peak {est['peak']:,.0f}" if worst_goodput is not None else "–"),
+                "goodput_ref": (verdict([p["goodput"] >= 0.9 * p["reference"] if p["reference"] else None for p in over]),
+                                f"min {pct(min(worst_ref))} of the references beside it"
+                                if (worst_ref := [p["goodput"] / p["reference"] for p in over if p["reference"]])
+                                else "no reference runs" if over else "–"),
                 "p99": (verdict([r <= 2 for r in p99_ratio]),
                         f"max {max(p99_ratio):.1f}× (half load {fmt(est['half_p99'])} ms)" if p99_ratio else "–"),
                 "rejection_fast": (verdict([(p["server_rej_le_1ms"] or 0) >= 0.99 for p in rej]),
@@ -207,7 +232,9 @@ def checks(points: list[dict], per_config: dict) -> list[dict]:
 
 
 CHECK_COLUMNS = [
-    ("goodput", "goodput ≥ 90 % of peak, 1×–20×"), ("p99", "p99 of successes ≤ 2× half-load p99"),
+    ("goodput", "goodput ≥ 90 % of peak, 1×–20×"),
+    ("goodput_ref", "the same, against the peak measured beside each point (drift)"),
+    ("p99", "p99 of successes ≤ 2× half-load p99"),
     ("rejection_fast", "server p99 of 503s < 1 ms"), ("rejection_cpu", "CPU per rejection ≤ 10 % (fit)"),
     ("breakers", "no breaker opened"), ("readiness", "no readiness flap"), ("sockets", "no socket errors"),
 ]
@@ -258,17 +285,19 @@ def markdown(points, per_config, check_rows, runs, calib, about, command) -> str
                 + ", ".join(f"{p['config']} {fmt(p['rss_mb'])} MB" for p in rss_10k) + "."]
     out += ["", "## Every point", "",
             "| configuration | shape | load | × capacity | sent/s | unsent (late) | **full 200/s** | of peak | "
+            "reference full 200/s | of reference | "
             "degraded/s | 503+429/s | other statuses | full 200 p50 / p99 ms (client) | 200 p99 ms (server) | rejection p99 ms "
             "(client) | 503 p99 bucket ms (server) | 503s ≤ 1 ms | CPU ms/answer | CPU to rejections (fit) | "
             "peak RSS MB | socket errors | breaker opens | short-circuited calls | unready turns | admission limit "
             "(dashboard) min–max | loadgen cores |",
-            "|" + "---|" * 25]
+            "|" + "---|" * 27]
     for p in points:
         est = per_config[p["config"]]
         bucket = p["server_rej_bucket"]
         out.append("| " + " | ".join([
             p["config"], p["shape"], p["label"], f"{p['x']:.2g}", fmt(p["sent_rps"], 0), f"{p['unsent']:,}",
-            f"**{fmt(p['goodput'], 0)}**", pct(p["goodput"] / est["peak"]), fmt(p["degraded_rps"], 0),
+            f"**{fmt(p['goodput'], 0)}**", pct(p["goodput"] / est["peak"]), fmt(p["reference"], 0),
+            pct(p["goodput"] / p["reference"]) if p["reference"] else "–", fmt(p["degraded_rps"], 0),
             fmt(p["rejected_rps"], 0), ", ".join(f"{k}: {v:,}" for k, v in p["other_status"].items()) or "0",
             f"{fmt(p['p50'])} / {fmt(p['p99'])}", fmt(p["server_p99"]), fmt(p["rej_p99"], 2),
             "–" if not bucket else (f"> {bucket[0]:g}" if bucket[1] is None else f"{bucket[0]:g}–{bucket[1]:g}"),
@@ -284,7 +313,9 @@ def markdown(points, per_config, check_rows, runs, calib, about, command) -> str
             "from the gateway's `/metrics` (request histogram, bucket-accurate; its 200s include degraded ones). "
             "CPU per answer counts every answer, rejections included.", "",
             "![plot](plot.png)", "", "One JSON per run is in `runs/` (loadgen command and output, per-process CPU, "
-            "RSS samples, metric deltas, gauges once a second); the calibration runs are in `calibration/`.", ""]
+            "RSS samples, metric deltas, gauges once a second); the calibration runs are in `calibration/`, the "
+            "reference runs (the shipped defaults at the calibration's peak load, before each point and after the "
+            "last) in `reference/`: a point's reference is the mean of the two beside it.", ""]
     return "\n".join(out)
 
 
@@ -357,6 +388,8 @@ def main() -> None:
     runs = report.load_runs(args.dir)
     calib = json.loads((args.dir / "calibration" / "capacity.json").read_text())
     points = [point(r, calib["capacity_rps"], calib["w0_ms"]) for r in runs]
+    refs = load_references(args.dir)
+    attach_references(points, refs)
     order = {c: i for i, c in enumerate(CONFIGS)}
     points.sort(key=lambda p: (order.get(p["config"], 99), SHAPES.index(p["shape"]), p["x"]))
     per_config = add_estimates(points, calib["capacity_rps"])
@@ -372,7 +405,8 @@ def main() -> None:
         row["ok_rps"] = run["goodput"]["full_rps"]
         rows.append(row)
     summary = {"scenario": runs[0]["scenario"], "title": "overload-curve", "command": args.command,
-               "date": sorted(r["started_at"] for r in runs)[-1], "calibration": calib, "checks": check_rows,
+               "date": sorted(r["started_at"] for r in runs)[-1], "calibration": calib, "references": refs,
+               "checks": check_rows,
                "points": [{k: v for k, v in p.items() if k != "limit_series"} for p in points], "rows": rows}
     (args.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {args.dir / 'report.md'} and {args.dir / 'plot.png'}")

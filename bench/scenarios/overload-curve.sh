@@ -166,12 +166,26 @@ bench_log "capacity $capacity_rps full-200 req/s, W0 $w0_ms ms; tributary capaci
 #    order of the configurations rotates from one point to the next. Run one configuration after
 #    the other (as before 2026-12-04), the last one always ran ~12 minutes later than the first
 #    on a VM whose speed drifts by 10-30 % in that time, and the shipped line always ran last.
+# 3. The VM's speed drifts (the same build served 1,350-1,600 and then 2,300-2,450 full 200/s at
+#    the same half-core points twenty minutes apart on 2026-12-05), and a point is judged against a
+#    peak measured up to twenty minutes earlier. So before each point, and after the last, the
+#    shipped defaults are measured once more at the calibration's peak load (`reference/`,
+#    BENCH_REFERENCE=0 skips them): curve.py sets each point beside the references run just
+#    before and after it, the capacity of the machine at that moment.
+ref_conns=${BENCH_REFERENCE_CONNECTIONS:-${calib_used:-$calib_conns}}
+[[ "${BENCH_KEEP_RUNS:-0}" == 1 ]] || rm -rf "$OUT_DIR/reference"
+mkdir -p "$OUT_DIR/reference"
+reference() {
+  [[ "${BENCH_REFERENCE:-1}" != 0 ]] || return 0
+  curve_point connections "$OUT_DIR/reference/ref-$1.json" default closed "$ref_conns"
+}
 points=()
 for conns in "${closed_points[@]}"; do points+=("closed $conns"); done
 for factor in "${open_factors[@]}"; do points+=("open $factor"); done
 for conns in "${retry_points[@]}"; do points+=("retry-after $conns"); done
 for i in "${!points[@]}"; do
   read -r shape x <<<"${points[$i]}"
+  reference "$i"
   for ((k = 0; k < ${#configs[@]}; k++)); do
     config="${configs[$(((i + k) % ${#configs[@]}))]}"
     case "$shape" in
@@ -184,6 +198,7 @@ for i in "${!points[@]}"; do
     esac
   done
 done
+reference "${#points[@]}"
 bench_stop_sims
 python3 "$BENCH_DIR/lib/curve.py" "$OUT_DIR" --about "$BENCH_DIR/scenarios/$SCENARIO.md" --command "$BENCH_COMMAND"
 if [[ -z "${BENCH_OUT:-}" ]]; then
