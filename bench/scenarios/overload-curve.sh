@@ -137,6 +137,7 @@ if [[ -z "$capacity_rps" ]]; then
     curve_point connections "$OUT_DIR/calibration/peak-c$conns.json" default closed "$conns"
     rps="$(json_field "$OUT_DIR/calibration/peak-c$conns.json" goodput.full_rps)"
     util="$(json_field "$OUT_DIR/calibration/peak-c$conns.json" processes.gateway.cpu_util)"
+    python3 -c 'import sys; sys.exit(float(sys.argv[1]) <= float(sys.argv[2]))' "$rps" "$capacity_rps" && calib_best=$conns
     capacity_rps="$(python3 -c 'import sys; print(max(float(sys.argv[1]), float(sys.argv[2])))' "$capacity_rps" "$rps")"
     bench_log "calibration: $conns connections, $rps full 200/s, gateway $util of its core"
     calib_used=$conns
@@ -169,10 +170,10 @@ bench_log "capacity $capacity_rps full-200 req/s, W0 $w0_ms ms; tributary capaci
 # 3. The VM's speed drifts (the same build served 1,350-1,600 and then 2,300-2,450 full 200/s at
 #    the same half-core points twenty minutes apart on 2026-12-05), and a point is judged against a
 #    peak measured up to twenty minutes earlier. So before each point, and after the last, the
-#    shipped defaults are measured once more at the calibration's peak load (`reference/`,
+#    shipped defaults are measured once more at the calibration's best load (`reference/`,
 #    BENCH_REFERENCE=0 skips them): curve.py sets each point beside the references run just
 #    before and after it, the capacity of the machine at that moment.
-ref_conns=${BENCH_REFERENCE_CONNECTIONS:-${calib_used:-$calib_conns}}
+ref_conns=${BENCH_REFERENCE_CONNECTIONS:-${calib_best:-$calib_conns}}
 [[ "${BENCH_KEEP_RUNS:-0}" == 1 ]] || rm -rf "$OUT_DIR/reference"
 mkdir -p "$OUT_DIR/reference"
 reference() {
