@@ -498,7 +498,9 @@ async fn closed_loop(shared: Arc<Shared>, honour: bool, until: Instant) {
                     s
                 }
                 Ok(Err(_)) => {
-                    shared.stats().record(Outcome::Connect, connecting.elapsed());
+                    shared
+                        .stats()
+                        .record(Outcome::Connect, connecting.elapsed());
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
                 }
