@@ -422,9 +422,9 @@ GATEWAY_QUOTA_PREFIX=()
 bench_gateway_quota() {
   [[ -n "$GATEWAY_CPU_QUOTA" ]] || return 0
   local quota_us period_us=100000 root
-  quota_us="$(python3 -c 'import sys; q = float(sys.argv[1]); assert 0 < q <= 64, q; print(round(q * 100000))' \
-    "$GATEWAY_CPU_QUOTA")" || { bench_log "BENCH_GATEWAY_CPU_QUOTA=$GATEWAY_CPU_QUOTA is not a number of cores F with 0 < F ≤ 64"; exit 2; }
   if [[ -z "$GATEWAY_CGROUP" ]]; then
+    quota_us="$(python3 -c 'import sys; q = float(sys.argv[1]); assert 0 < q <= 64, q; print(round(q * 100000))' \
+      "$GATEWAY_CPU_QUOTA")" || { bench_log "BENCH_GATEWAY_CPU_QUOTA=$GATEWAY_CPU_QUOTA is not a number of cores F with 0 < F ≤ 64"; exit 2; }
     if [[ -e /sys/fs/cgroup/cpu/cpu.cfs_quota_us ]]; then
       root=/sys/fs/cgroup/cpu # cgroup v1
       GATEWAY_CGROUP="$root/tributary-bench-$$"

@@ -18,7 +18,7 @@ Definitions:
 * goodput = full (non-degraded) 200s per second; peak = the larger of the capacity and the
   configuration's best goodput in any run.
 * reference = the mean full-200 rate of the reference runs just before and after the point (the
-  shipped defaults at the calibration's peak load; DIR/reference/): the machine's capacity at that
+  shipped defaults at the calibration's best load; DIR/reference/): the machine's capacity at that
   moment, which on a shared VM drifts by 10-40 % over a run. The goodput check is made against
   the peak and, in its own column, against the reference.
 * half-load p99 = the configuration's client-side p99 of full 200s at its open-loop 0.5× point.
@@ -169,7 +169,7 @@ def add_estimates(points: list[dict], capacity: float) -> dict[str, dict]:
 
 
 def load_references(directory: Path) -> list[tuple[str, float]]:
-    """(start, full 200/s) of the reference runs: the shipped defaults at the calibration's peak load,
+    """(start, full 200/s) of the reference runs: the shipped defaults at the calibration's best load,
     measured before each point and after the last (overload-curve.sh, `reference/`)."""
     refs = [json.loads(p.read_text()) for p in (directory / "reference").glob("*.json")]
     return sorted((r["started_at"], r["goodput"]["full_rps"]) for r in refs)
@@ -314,7 +314,7 @@ def markdown(points, per_config, check_rows, runs, calib, about, command) -> str
             "CPU per answer counts every answer, rejections included.", "",
             "![plot](plot.png)", "", "One JSON per run is in `runs/` (loadgen command and output, per-process CPU, "
             "RSS samples, metric deltas, gauges once a second); the calibration runs are in `calibration/`, the "
-            "reference runs (the shipped defaults at the calibration's peak load, before each point and after the "
+            "reference runs (the shipped defaults at the calibration's best load, before each point and after the "
             "last) in `reference/`: a point's reference is the mean of the two beside it.", ""]
     return "\n".join(out)
 

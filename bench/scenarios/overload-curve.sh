@@ -137,8 +137,9 @@ if [[ -z "$capacity_rps" ]]; then
     curve_point connections "$OUT_DIR/calibration/peak-c$conns.json" default closed "$conns"
     rps="$(json_field "$OUT_DIR/calibration/peak-c$conns.json" goodput.full_rps)"
     util="$(json_field "$OUT_DIR/calibration/peak-c$conns.json" processes.gateway.cpu_util)"
-    python3 -c 'import sys; sys.exit(float(sys.argv[1]) <= float(sys.argv[2]))' "$rps" "$capacity_rps" && calib_best=$conns
-    capacity_rps="$(python3 -c 'import sys; print(max(float(sys.argv[1]), float(sys.argv[2])))' "$capacity_rps" "$rps")"
+    read -r capacity_rps best < <(python3 -c 'import sys; c, r = map(float, sys.argv[1:]); print(max(c, r), int(r > c))' \
+      "$capacity_rps" "$rps")
+    ((best == 0)) || calib_best=$conns
     bench_log "calibration: $conns connections, $rps full 200/s, gateway $util of its core"
     calib_used=$conns
     # Done when the gateway uses ≥ 90 % of its allowance (the core, or its CFS quota under
