@@ -9,6 +9,12 @@ last `cfn=`. Names are compressed (`fn=(12) name` once, `fn=(12)` after).
 
     python3 callgrind.py self DUMP [--per ANSWERS] [--top N]
     python3 callgrind.py callers DUMP SUBSTRING [--per ANSWERS] [--top N]
+    python3 callgrind.py callees DUMP SUBSTRING [--per ANSWERS] [--top N]
+    python3 callgrind.py calls DUMP NAME [NAME...] [--per ANSWERS]
+
+`calls` counts the calls into functions named exactly NAME (the allocator's entry points, say:
+how many allocations an answer makes). `callees` is the other direction: what the functions whose name contains SUBSTRING spend,
+their own instructions and each function they call (inclusive), to walk down from a layer.
 """
 
 import argparse
@@ -19,12 +25,15 @@ NAME = re.compile(r"(c?fn)=\((\d+)\)(?: (.*))?$")
 COST = re.compile(r"^[+\-*0-9]")
 
 
-def read(path, callee_of_interest=None):
-    """Self cost per function, and the cost of calls into functions whose name contains
-    `callee_of_interest`, by caller."""
+def read(path, callee_of_interest=None, caller_of_interest=None):
+    """Self cost per function; the cost of calls into functions whose name contains
+    `callee_of_interest`, by caller; and what functions whose name contains
+    `caller_of_interest` spend, by callee (their own cost under "(self)")."""
     names = {}
     own = Counter()
     callers = Counter()
+    callees = Counter()
+    count = Counter()
     current = callee = None
     after_calls = False
     with open(path, errors="replace") as dump:
@@ -42,31 +51,49 @@ def read(path, callee_of_interest=None):
                 continue
             if line.startswith("calls="):
                 after_calls = True
+                count[callee] += int(line.split()[0][len("calls="):])
                 continue
             if COST.match(line) and current is not None:
                 parts = line.split()
                 cost = int(parts[1]) if len(parts) > 1 else 0
+                mine = caller_of_interest and caller_of_interest in current
                 if after_calls:
                     if callee_of_interest and callee and callee_of_interest in callee:
                         callers[current] += cost
+                    if mine:
+                        callees[callee] += cost
                 else:
                     own[current] += cost
+                    if mine:
+                        callees["(self)"] += cost
                 after_calls = False
-    return own, callers
+    return own, callers, callees, count
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["self", "callers"])
+    parser.add_argument("what", choices=["self", "callers", "callees", "calls"])
     parser.add_argument("dump")
-    parser.add_argument("name", nargs="?")
+    parser.add_argument("name", nargs="*")
     parser.add_argument("--per", type=float, default=0, help="answers in the window: cost per answer too")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
-    if args.what == "callers" and not args.name:
-        parser.error("callers needs a function name (a substring of it)")
-    own, callers = read(args.dump, args.name if args.what == "callers" else None)
-    costs = own if args.what == "self" else callers
+    if args.what != "self" and not args.name:
+        parser.error(f"{args.what} needs a function name (a substring of it)")
+    if args.what in ("callers", "callees") and len(args.name) > 1:
+        parser.error(f"{args.what} takes one function name")
+    name = args.name[0] if args.name else None
+    own, callers, callees, count = read(
+        args.dump,
+        name if args.what == "callers" else None,
+        name if args.what == "callees" else None,
+    )
+    if args.what == "calls":
+        for fn in args.name:
+            per = f" {count[fn] / args.per:>9,.1f} per answer" if args.per else ""
+            print(f"{count[fn]:>14,} calls{per}  {fn}")
+        return
+    costs = {"self": own, "callers": callers, "callees": callees}[args.what]
     total = sum(own.values())
     for name, cost in costs.most_common(args.top):
         per = f" {cost / args.per:>9,.0f} per answer" if args.per else ""
