@@ -19,12 +19,15 @@ use std::{
     time::Duration,
 };
 
-use http::HeaderValue;
+use http::{HeaderName, HeaderValue};
 use tokio::time::Instant;
 
 tokio::task_local! {
     static CURRENT: Arc<RequestContext>;
 }
+
+/// The request id's header, on the way in, on every answer and on every downstream call.
+pub const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-request-id");
 
 /// What every part of a request needs to know about it.
 #[derive(Debug)]

@@ -36,7 +36,7 @@ use std::{
     time::Duration,
 };
 
-use http::{HeaderMap, HeaderValue};
+use http::{HeaderMap, HeaderName, HeaderValue};
 use metrics::{Counter, Gauge, Histogram};
 use rand::Rng;
 use serde_json::value::RawValue;
@@ -64,10 +64,13 @@ use window::Window;
 
 /// Header naming the variant a call was routed to (`stable` for the downstream's own
 /// deployment), sent only by a downstream that has variants: the colour follows the request.
-pub const VARIANT_HEADER: &str = "x-tributary-variant";
+///
+/// The header names a call sends are `HeaderName` constants, not `&str`: a custom name given
+/// as a string is parsed and copied into a new allocation on every insert, three times a call.
+pub const VARIANT_HEADER: HeaderName = HeaderName::from_static("x-tributary-variant");
 
 /// Header carrying the caller's remaining budget in whole milliseconds.
-pub(crate) const BUDGET_HEADER: &str = "x-request-budget-ms";
+pub(crate) const BUDGET_HEADER: HeaderName = HeaderName::from_static("x-request-budget-ms");
 
 /// A call is not started with less budget than this left: it could not complete anyway.
 pub(crate) const MIN_CALL_BUDGET: Duration = Duration::from_millis(2);
@@ -638,14 +641,14 @@ impl Downstream {
         headers.insert(BUDGET_HEADER, HeaderValue::from(timeout.as_millis() as u64));
         let ctx = crate::context::current();
         if let Some(id) = ctx.as_ref().and_then(|c| c.request_id_header()) {
-            headers.insert("x-request-id", id.clone());
+            headers.insert(crate::context::REQUEST_ID_HEADER, id.clone());
         }
         let trace = crate::telemetry::outgoing_trace_headers(ctx.as_deref());
         if let Some(traceparent) = trace.traceparent {
-            headers.insert("traceparent", traceparent);
+            headers.insert(crate::telemetry::TRACEPARENT, traceparent);
         }
         if let Some(tracestate) = trace.tracestate {
-            headers.insert("tracestate", tracestate);
+            headers.insert(crate::telemetry::TRACESTATE, tracestate);
         }
         if self.window.get().is_some() {
             headers.insert(VARIANT_HEADER, self.variant_header.clone());

@@ -322,7 +322,9 @@ fn shed(
 fn stamp(response: &mut axum::response::Response, request: &Request) {
     let id = request_id_or_new(request.headers());
     if let Ok(v) = HeaderValue::from_str(&id) {
-        response.headers_mut().insert("x-request-id", v);
+        response
+            .headers_mut()
+            .insert(crate::context::REQUEST_ID_HEADER, v);
     }
 }
 

@@ -47,13 +47,11 @@ use tracing::{Instrument, Span, instrument::Instrumented};
 use super::edge::Arrival;
 use crate::{
     config::ServerSettings,
-    context::{self, RequestContext, TraceIds},
+    context::{self, REQUEST_ID_HEADER, RequestContext, TraceIds},
     downstream::BUDGET_HEADER,
     error::{ApiError, chain},
     telemetry::{self, ActiveGuard, PollTimer, Telemetry},
 };
-
-const REQUEST_ID: &str = "x-request-id";
 
 /// The health probes' routes: their access lines are written at DEBUG, not INFO.
 const PROBES: [&str; 2] = ["/healthz", "/readyz"];
@@ -80,7 +78,7 @@ fn valid_request_id(v: &HeaderValue) -> Option<&str> {
 
 /// The caller's request id when it sent a valid one, else a new one.
 pub(super) fn request_id_or_new(headers: &HeaderMap) -> Arc<str> {
-    match headers.get(REQUEST_ID).and_then(valid_request_id) {
+    match headers.get(REQUEST_ID_HEADER).and_then(valid_request_id) {
         Some(id) => id.into(),
         None => uuid::Uuid::new_v4().simple().to_string().into(),
     }
@@ -220,7 +218,7 @@ where
         let this = self.project();
         let Ok(mut response) = ready!(this.inner.poll(cx));
         if let Some(v) = this.request_id.take() {
-            response.headers_mut().insert(REQUEST_ID, v);
+            response.headers_mut().insert(REQUEST_ID_HEADER, v);
         }
         Poll::Ready(Ok(response))
     }

@@ -253,7 +253,7 @@ fn common_parameters() -> [openapi::path::Parameter; 4] {
              generated one",
         ),
         header(
-            BUDGET_HEADER,
+            BUDGET_HEADER.as_str(),
             ObjectBuilder::new()
                 .schema_type(Type::Integer)
                 .format(Some(openapi::SchemaFormat::KnownFormat(
@@ -470,7 +470,12 @@ mod tests {
                     .iter()
                     .map(|p| p["name"].as_str().unwrap())
                     .collect();
-                for header in ["x-request-id", BUDGET_HEADER, "traceparent", "tracestate"] {
+                for header in [
+                    "x-request-id",
+                    BUDGET_HEADER.as_str(),
+                    "traceparent",
+                    "tracestate",
+                ] {
                     assert!(names.contains(&header), "{method} {path}: no {header}");
                 }
                 for status in ["431", "500", "503"] {

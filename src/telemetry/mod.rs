@@ -37,7 +37,8 @@ pub(crate) use runtime::PollTimer;
 #[cfg(feature = "otel")]
 pub use trace::otel::tracer_provider;
 pub(crate) use trace::{
-    attach_trace, local_trace_ids, otel_active, outgoing_trace_headers, parse_traceparent,
+    TRACEPARENT, TRACESTATE, attach_trace, local_trace_ids, otel_active, outgoing_trace_headers,
+    parse_traceparent,
 };
 
 use crate::config::TelemetrySettings;

@@ -7,9 +7,14 @@
 
 use std::sync::OnceLock;
 
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, HeaderName};
 
 use crate::context::{RequestContext, TraceHeaders, TraceIds};
+
+/// The W3C trace-context headers a downstream call carries (constants: a custom header name
+/// given as a string is parsed and allocated on every insert).
+pub(crate) const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+pub(crate) const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 
 /// Process-wide flag: whether spans are exported through OpenTelemetry.
 static OTEL_ACTIVE: OnceLock<bool> = OnceLock::new();
