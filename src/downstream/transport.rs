@@ -20,7 +20,7 @@ use base64::{Engine, engine::general_purpose::STANDARD};
 use bytes::{Bytes, BytesMut};
 use http::{
     HeaderMap, HeaderValue, StatusCode, Uri,
-    header::{ACCEPT, AUTHORIZATION, USER_AGENT},
+    header::{ACCEPT, AUTHORIZATION, HOST, USER_AGENT},
     uri::{Authority, PathAndQuery, Scheme},
 };
 use http_body_util::BodyExt;
@@ -46,7 +46,15 @@ type Hyper = HyperClient<HttpConnector, http_body_util::Empty<Bytes>>;
 /// its own), keep-alive on, sized for the admission limit so that steady load reuses
 /// connections instead of opening new ones.
 #[derive(Clone)]
-pub(crate) enum Client {
+pub(crate) struct Client {
+    way: Way,
+    /// Every connection speaks HTTP/2 (`http_client.http2_prior_knowledge`).
+    http2: bool,
+}
+
+/// Which client sends the calls.
+#[derive(Clone)]
+enum Way {
     Reqwest(reqwest::Client),
     /// Boxed: hyper-util's client is some 300 bytes, reqwest's one pointer.
     Hyper(Box<Hyper>),
@@ -54,7 +62,7 @@ pub(crate) enum Client {
 
 impl Client {
     pub(crate) fn new(settings: &HttpClientSettings) -> anyhow::Result<Self> {
-        Ok(match settings.transport {
+        let way = match settings.transport {
             TransportKind::Reqwest => {
                 crate::tls::install_provider();
                 let mut builder = reqwest::Client::builder()
@@ -66,13 +74,13 @@ impl Client {
                 if settings.http2_prior_knowledge {
                     builder = builder.http2_prior_knowledge();
                 }
-                Client::Reqwest(builder.build()?)
+                Way::Reqwest(builder.build()?)
             }
             TransportKind::Hyper => {
                 let mut connector = HttpConnector::new();
                 connector.set_nodelay(true);
                 connector.set_connect_timeout(Some(settings.connect_timeout));
-                Client::Hyper(Box::new(
+                Way::Hyper(Box::new(
                     HyperClient::builder(TokioExecutor::new())
                         .pool_max_idle_per_host(settings.pool_max_idle_per_host)
                         .pool_idle_timeout(settings.pool_idle_timeout)
@@ -82,6 +90,10 @@ impl Client {
                         .build(connector),
                 ))
             }
+        };
+        Ok(Self {
+            way,
+            http2: settings.http2_prior_knowledge,
         })
     }
 }
@@ -94,8 +106,8 @@ pub(crate) struct Transport {
     /// The base's scheme and authority, parsed once for the hyper way.
     scheme: Scheme,
     authority: Authority,
-    /// What every call sends: `User-Agent`, `Accept`, and `Authorization` when the base URL
-    /// has credentials.
+    /// What every call sends: `User-Agent`, `Accept`, `Host` over HTTP/1.1, and
+    /// `Authorization` when the base URL has credentials.
     fixed: HeaderMap,
 }
 
@@ -115,7 +127,7 @@ pub(crate) enum Response {
 impl Transport {
     /// `base` is `{base_url}/{service}/`, credentials included.
     pub(crate) fn new(client: Client, base: &Url) -> anyhow::Result<Self> {
-        let mut fixed = HeaderMap::with_capacity(3);
+        let mut fixed = HeaderMap::with_capacity(4);
         fixed.insert(USER_AGENT, HeaderValue::from_static(AGENT));
         // reqwest would send `*/*` of its own; the gateway reads JSON only, and says so.
         fixed.insert(ACCEPT, HeaderValue::from_static("application/json"));
@@ -132,6 +144,13 @@ impl Transport {
             None => base.host_str().unwrap_or_default().to_owned(),
         }
         .parse()?;
+        // hyper-util's client writes `Host` into every HTTP/1.1 request that has none: the
+        // URI's host and port formatted into a new string and header value, per call. It is
+        // the same for every call to this downstream, so it is made here, once. (Over HTTP/2
+        // the authority travels as `:authority`, and the client adds no `Host`.)
+        if !client.http2 {
+            fixed.insert(HOST, HeaderValue::from_str(authority.as_str())?);
+        }
         Ok(Self {
             client,
             base,
@@ -145,8 +164,8 @@ impl Transport {
     pub(crate) fn target(&self, user_id: i64) -> Target {
         let mut id = itoa::Buffer::new();
         let id = id.format(user_id);
-        match self.client {
-            Client::Reqwest(_) => {
+        match self.client.way {
+            Way::Reqwest(_) => {
                 // One segment appended to the base, not the whole path set (and parsed) again.
                 let mut url = self.base.clone();
                 if let Ok(mut segments) = url.path_segments_mut() {
@@ -154,7 +173,7 @@ impl Transport {
                 }
                 Target::Url(url)
             }
-            Client::Hyper(_) => {
+            Way::Hyper(_) => {
                 let base = self.base.path();
                 let mut path = String::with_capacity(base.len() + id.len());
                 path.push_str(base);
@@ -179,8 +198,8 @@ impl Transport {
         for (name, value) in &self.fixed {
             headers.insert(name, value.clone());
         }
-        match (&self.client, target) {
-            (Client::Reqwest(client), Target::Url(url)) => {
+        match (&self.client.way, target) {
+            (Way::Reqwest(client), Target::Url(url)) => {
                 let mut request = reqwest::Request::new(http::Method::GET, url.clone());
                 *request.headers_mut() = headers;
                 client
@@ -189,7 +208,7 @@ impl Transport {
                     .map(Response::Reqwest)
                     .map_err(|e| transport_error(service, e.is_timeout(), e))
             }
-            (Client::Hyper(client), Target::Uri(uri)) => {
+            (Way::Hyper(client), Target::Uri(uri)) => {
                 let mut request = http::Request::new(http_body_util::Empty::new());
                 *request.uri_mut() = uri.clone();
                 *request.headers_mut() = headers;
@@ -359,6 +378,71 @@ mod tests {
         match transport.target(42) {
             Target::Uri(uri) => assert_eq!(uri, "http://h/carts/42"),
             Target::Url(_) => panic!("the hyper way targets a Uri"),
+        }
+    }
+
+    /// One request head as it arrived on the wire, answered with `200 {}`.
+    async fn capture_one_request(listener: tokio::net::TcpListener) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = socket.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the connection closed before the request head ended");
+            head.extend_from_slice(&buf[..n]);
+        }
+        socket
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+            .await
+            .unwrap();
+        String::from_utf8(head).unwrap()
+    }
+
+    #[tokio::test]
+    async fn host_is_made_once_per_downstream_and_sent_once_as_the_client_would() {
+        for kind in [TransportKind::Reqwest, TransportKind::Hyper] {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let url = Url::parse(&format!("http://user:pw@127.0.0.1:{port}/users/")).unwrap();
+            let settings = HttpClientSettings {
+                transport: kind,
+                ..HttpClientSettings::default()
+            };
+            let transport = Transport::new(Client::new(&settings).unwrap(), &url).unwrap();
+            let expected = format!("127.0.0.1:{port}");
+            assert_eq!(transport.fixed[HOST], expected.as_str(), "{kind:?}");
+            let server = tokio::spawn(capture_one_request(listener));
+            let response = transport
+                .send(Service::Users, &transport.target(3), HeaderMap::new())
+                .await
+                .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+            assert_eq!(response.status(), StatusCode::OK);
+            let head = server.await.unwrap().to_ascii_lowercase();
+            let hosts: Vec<&str> = head
+                .lines()
+                .filter_map(|l| l.strip_prefix("host:"))
+                .map(str::trim)
+                .collect();
+            assert_eq!(hosts, [expected.as_str()], "{kind:?}: {head}");
+            assert!(
+                head.starts_with("get /users/3 http/1.1\r\n"),
+                "{kind:?}: {head}"
+            );
+        }
+    }
+
+    #[test]
+    fn over_http2_the_authority_is_the_host_and_no_host_header_is_added() {
+        let url = Url::parse("http://h:9001/users/").unwrap();
+        for kind in [TransportKind::Reqwest, TransportKind::Hyper] {
+            let settings = HttpClientSettings {
+                transport: kind,
+                http2_prior_knowledge: true,
+                ..HttpClientSettings::default()
+            };
+            let transport = Transport::new(Client::new(&settings).unwrap(), &url).unwrap();
+            assert!(!transport.fixed.contains_key(HOST), "{kind:?}");
         }
     }
 
