@@ -438,6 +438,9 @@ def wait_quiet(threshold: float, max_wait: float) -> tuple[float, float]:
 def measure_once(args) -> tuple[dict, str]:
     wrk_env = parse_kv(args.wrk_env)
     cpus = args.loadgen_cpus or None
+    # The server's resident memory before any load (a fresh server: its pools and caches as
+    # they start): peak minus this, per connection, is the growth each connection costs.
+    rss_before_load = proc_status_kib(args.server_pid, "VmRSS")
     loadgen = None
     if args.loadgen:
         # The loadgen warms up in-process, on the connections it then measures with.
@@ -601,6 +604,10 @@ def measure_once(args) -> tuple[dict, str]:
             # CPU seconds per 1,000 requests is numerically CPU milliseconds per request.
             "cpu_s_per_1000_requests": round(server_cpu / requests * 1000, 4) if server_cpu and requests else None,
             "peak_rss_mb": round(peak_rss_kib / 1024, 1) if peak_rss_kib else None,
+            "rss_before_load_mb": round(rss_before_load / 1024, 1) if rss_before_load else None,
+            "rss_growth_per_connection_kib": (
+                round((peak_rss_kib - rss_before_load) / args.connections, 1)
+                if peak_rss_kib and rss_before_load and args.connections else None),
             "rss_samples_kib": rss_samples,
         },
         "processes": processes,

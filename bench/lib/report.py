@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -223,6 +224,8 @@ def aggregate(variant: str, x: float, all_runs: list[dict]) -> dict:
         "socket_errors_total": socket,
         "server_cpu_ms_per_request": med("server", "cpu_s_per_1000_requests"),
         "peak_rss_mb": med("server", "peak_rss_mb"),
+        "rss_before_load_mb": med("server", "rss_before_load_mb"),
+        "rss_growth_per_connection_kib": med("server", "rss_growth_per_connection_kib"),
         "process_cpu_util": {name: med("processes", name, "cpu_util") for name in process_names},
         "cores_busy": {core: med("cores_busy", core) for core in sorted(first.get("cores_busy", {}))},
         "limiting_resource": limiting_resource(sorted(runs, key=lambda r: r["ok_rps"])[len(runs) // 2]),
@@ -330,12 +333,18 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
     bases = list(dict.fromkeys(r["limit_basis"] for r in rows))
     out += ["", "Limit: " + "; ".join(bases) + ".", "", "## Resources", ""]
     procs = list(dict.fromkeys(name for r in rows for name in r["process_cpu_util"]))
-    header = ["variant", x_name, "server CPU ms/req (= s per 1,000 req)", "peak RSS MB", "core 0 busy", "core 1 busy"]
+    # Runs recorded before the lab read the server's RSS ahead of the load have no growth column.
+    growth = any(r.get("rss_growth_per_connection_kib") is not None for r in rows)
+    header = ["variant", x_name, "server CPU ms/req (= s per 1,000 req)", "peak RSS MB"]
+    header += ["RSS before load MB", "RSS growth per connection KiB"] if growth else []
+    header += ["core 0 busy", "core 1 busy"]
     header += [f"{p} cores" for p in procs] + ["limiting resource"]
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        cells = [r["variant"], fmt(r["x"], 0), fmt(r["server_cpu_ms_per_request"], 3), fmt(r["peak_rss_mb"], 1),
-                 pct(r["cores_busy"].get("cpu0")), pct(r["cores_busy"].get("cpu1"))]
+        cells = [r["variant"], fmt(r["x"], 0), fmt(r["server_cpu_ms_per_request"], 3), fmt(r["peak_rss_mb"], 1)]
+        if growth:
+            cells += [fmt(r.get("rss_before_load_mb"), 1), fmt(r.get("rss_growth_per_connection_kib"), 1)]
+        cells += [pct(r["cores_busy"].get("cpu0")), pct(r["cores_busy"].get("cpu1"))]
         cells += [fmt(r["process_cpu_util"].get(p), 2) for p in procs] + [r["limiting_resource"]]
         out.append("| " + " | ".join(cells) + " |")
     out += calls_table(rows, x_name)
@@ -505,12 +514,66 @@ def plot(rows: list[dict], path: Path, title: str, runs: list[dict]) -> None:
     plt.close(fig)
 
 
+def parse_counts(instructions: str, syscalls: str) -> dict:
+    """The figures of `bench/profile instructions` and `bench/profile syscalls` from their output."""
+    def number(text):
+        return float(text.replace(",", ""))
+
+    counts: dict = {}
+    m = re.search(r"--- instructions \(served\): (\d+) answers in (\d+) s under callgrind, ([\d,]+) instructions, ([\d,]+) per answer",
+                  instructions)
+    if m:
+        counts["instructions"] = {"answers": int(m.group(1)), "window_s": int(m.group(2)),
+                                  "per_answer": number(m.group(4))}
+        m = re.search(r"in the server's service future: ([\d,]+) per answer", instructions)
+        if m:
+            counts["instructions"]["service_future_per_answer"] = number(m.group(1))
+    allocs = {fn: number(n) for n, fn in re.findall(r"^ *[\d,]+ calls +([\d,.]+) per answer +(\S+)$", instructions, re.M)}
+    if allocs:
+        counts["allocations_per_answer"] = allocs.get("mi_malloc_aligned", 0) + allocs.get("mi_zalloc_aligned", 0)
+        counts["reallocations_per_answer"] = allocs.get("mi_realloc_aligned", 0)
+    m = re.search(r"--- syscalls \(served\): (\d+) answers in (\d+) s \(perf trace attached\), ([\d,]+) system calls, ([\d.]+) per answer",
+                  syscalls)
+    if m:
+        counts["syscalls"] = {"answers": int(m.group(1)), "window_s": int(m.group(2)), "per_answer": number(m.group(4)),
+                              "by_call": {name: number(per) for name, _, per in
+                                          re.findall(r"^(\w+) +([\d,]+) +([\d.]+) per answer$", syscalls, re.M)}}
+    return counts
+
+
+def counts_section(counts: dict) -> list[str]:
+    out = ["", "## Counts per answer", "",
+           "Counts, not times: the VM's speed of the minute does not move them, so two builds or two machines "
+           "compare. `bench/profile instructions` (callgrind: 30 s of 4 connections after a warm-up; the whole "
+           "process, so the time-driven threads, slowed ~50× under valgrind, are over-weighted) and "
+           "`bench/profile syscalls` (perf trace: 10 s of this scenario's load), run after the measured "
+           "repetitions on the same binaries.", "",
+           "| instructions per answer | in the server's service future | allocations per answer | reallocations | system calls per answer | of which |",
+           "|---:|---:|---:|---:|---:|---|"]
+    sys_ = counts.get("syscalls") or {}
+    top = ", ".join(f"{name} {per:.2f}" for name, per in list(sys_.get("by_call", {}).items())[:4])
+    ins = counts.get("instructions") or {}
+    out.append("| " + " | ".join([fmt(ins.get("per_answer"), 0), fmt(ins.get("service_future_per_answer"), 0),
+                                   fmt(counts.get("allocations_per_answer"), 1), fmt(counts.get("reallocations_per_answer"), 1),
+                                   fmt(sys_.get("per_answer"), 2), top or "–"]) + " |")
+    return out
+
+
+def counts(args) -> None:
+    print(json.dumps(parse_counts(Path(args.instructions).read_text(), Path(args.syscalls).read_text()), indent=2))
+
+
 def scenario(args) -> None:
     directory = Path(args.dir)
     runs = load_runs(directory)
     rows = [aggregate(v, x, rs) for v, x, rs in group_runs(runs)]
     about = Path(args.about).read_text() if args.about and Path(args.about).exists() else ""
-    (directory / "report.md").write_text(markdown(rows, runs, args.title, about, args.command))
+    report = markdown(rows, runs, args.title, about, args.command)
+    # A scenario that counted (seed-baseline) leaves counts.json beside its runs.
+    counted = json.loads((directory / "counts.json").read_text()) if (directory / "counts.json").exists() else None
+    if counted:
+        report = report.rstrip("\n") + "\n" + "\n".join(counts_section(counted)) + "\n"
+    (directory / "report.md").write_text(report)
     plot(rows, directory / "plot.png", args.title, runs)
     summary = {"scenario": runs[0]["scenario"], "title": args.title, "command": args.command,
                "date": sorted(r["started_at"] for r in runs)[-1], "rows": rows}
@@ -556,6 +619,10 @@ def main() -> None:
     s.add_argument("--about")
     s.add_argument("--command", default="")
     s.set_defaults(func=scenario)
+    c = sub.add_parser("counts", help="the figures of bench/profile instructions and syscalls, as JSON")
+    c.add_argument("instructions")
+    c.add_argument("syscalls")
+    c.set_defaults(func=counts)
     t = sub.add_parser("summary")
     t.add_argument("results")
     t.set_defaults(func=summary_table)
