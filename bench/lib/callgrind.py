@@ -13,8 +13,9 @@ last `cfn=`. Names are compressed (`fn=(12) name` once, `fn=(12)` after).
     python3 callgrind.py calls DUMP NAME [NAME...] [--per ANSWERS]
 
 `calls` counts the calls into functions named exactly NAME (the allocator's entry points, say:
-how many allocations an answer makes). `callees` is the other direction: what the functions whose name contains SUBSTRING spend,
-their own instructions and each function they call (inclusive), to walk down from a layer.
+how many allocations an answer makes). `callees` is the other direction: what the functions
+whose name contains SUBSTRING spend, their own instructions and each function they call
+(inclusive), to walk down from a layer.
 """
 
 import argparse

@@ -559,7 +559,7 @@ def counts_section(counts: dict) -> list[str]:
     return out
 
 
-def counts(args) -> None:
+def counts_json(args) -> None:
     print(json.dumps(parse_counts(Path(args.instructions).read_text(), Path(args.syscalls).read_text()), indent=2))
 
 
@@ -622,7 +622,7 @@ def main() -> None:
     c = sub.add_parser("counts", help="the figures of bench/profile instructions and syscalls, as JSON")
     c.add_argument("instructions")
     c.add_argument("syscalls")
-    c.set_defaults(func=counts)
+    c.set_defaults(func=counts_json)
     t = sub.add_parser("summary")
     t.add_argument("results")
     t.set_defaults(func=summary_table)
