@@ -524,16 +524,28 @@ impl Db {
         deadline: Instant,
     ) -> Result<(PoolConnection<sqlx::Postgres>, bool), DbError> {
         loop {
-            let (result, opened) = OPENED_CONNECTION
-                .scope(Cell::new(false), async {
-                    let r = tokio::time::timeout_at(deadline, self.pool.acquire()).await;
-                    (r, OPENED_CONNECTION.with(Cell::get))
-                })
-                .await;
-            let mut conn = match result {
-                Ok(Ok(conn)) => conn,
-                Ok(Err(e)) => return Err(DbError::from(e)),
-                Err(_) => return Err(DbError::PoolTimedOut),
+            // An idle connection, when there is one and nobody waits for it, is taken at once:
+            // it is what `acquire` would do first (no test before acquire is configured), without
+            // building its future. That future is some 2.5 KB; inline it made every future above
+            // it, up to the dashboard's orders part, as large, and each was moved whole into its
+            // parent's state on the first poll: three copies of ~3 KB a dashboard. So the wait
+            // for one is boxed too.
+            let (mut conn, opened) = match self.pool.try_acquire() {
+                Some(conn) => (conn, false),
+                None => {
+                    let (result, opened) = OPENED_CONNECTION
+                        .scope(Cell::new(false), async {
+                            let acquire = Box::pin(self.pool.acquire());
+                            let r = tokio::time::timeout_at(deadline, acquire).await;
+                            (r, OPENED_CONNECTION.with(Cell::get))
+                        })
+                        .await;
+                    match result {
+                        Ok(Ok(conn)) => (conn, opened),
+                        Ok(Err(e)) => return Err(DbError::from(e)),
+                        Err(_) => return Err(DbError::PoolTimedOut),
+                    }
+                }
             };
             if opened || !self.health.pooled_connections_suspect() {
                 return Ok((conn, opened));
