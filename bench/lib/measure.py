@@ -68,6 +68,26 @@ def proc_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def proc_cpu_split(pid: int) -> dict | None:
+    """A process's user and system CPU seconds, and its context switches summed over its
+    threads: voluntary (it waited) and involuntary (preempted on its core)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        switches = {"voluntary": 0, "involuntary": 0}
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                for line in (task / "status").read_text().splitlines():
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        switches["voluntary"] += int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches:"):
+                        switches["involuntary"] += int(line.split()[1])
+            except OSError:
+                continue  # a thread that ended meanwhile
+    except OSError:
+        return None
+    return {"user_s": int(fields[11]) / CLK_TCK, "system_s": int(fields[12]) / CLK_TCK, **switches}
+
+
 def procs_cpu_seconds(pids: list[int]) -> float | None:
     values = [proc_cpu_seconds(pid) for pid in pids]
     return None if any(v is None for v in values) else sum(values)
@@ -460,6 +480,7 @@ def measure_once(args) -> tuple[dict, str]:
     calls_before = {name: sim_calls(url, name) for name, url in sims.items()}
     metrics_before = scrape(args.metrics_url)
     cpu_before = {name: procs_cpu_seconds(pids) for name, pids in procs.items()}
+    split_before = proc_cpu_split(args.server_pid)
     comm_before = {name: comm_cpu_seconds(comm) for name, comm in comms.items()}
     cores_before = core_times()
     started = dt.datetime.now(dt.timezone.utc)
@@ -529,6 +550,7 @@ def measure_once(args) -> tuple[dict, str]:
 
     cores_after = core_times()
     cpu_after = {name: procs_cpu_seconds(pids) for name, pids in procs.items()}
+    split_after = proc_cpu_split(args.server_pid)
     comm_after = {name: comm_cpu_seconds(comm) for name, comm in comms.items()}
     metrics_after = scrape(args.metrics_url)
     calls_after = {name: sim_calls(url, name) for name, url in sims.items()}
@@ -609,6 +631,14 @@ def measure_once(args) -> tuple[dict, str]:
                 round((peak_rss_kib - rss_before_load) / args.connections, 1)
                 if peak_rss_kib and rss_before_load and args.connections else None),
             "rss_samples_kib": rss_samples,
+            # Per request: user and system CPU milliseconds, and context switches (voluntary:
+            # a thread waited; involuntary: preempted on its core, by its own threads too).
+            "per_request": {
+                "user_ms": round((split_after["user_s"] - split_before["user_s"]) / requests * 1000, 4),
+                "system_ms": round((split_after["system_s"] - split_before["system_s"]) / requests * 1000, 4),
+                "voluntary_switches": round((split_after["voluntary"] - split_before["voluntary"]) / requests, 3),
+                "involuntary_switches": round((split_after["involuntary"] - split_before["involuntary"]) / requests, 3),
+            } if split_before and split_after and requests else None,
         },
         "processes": processes,
         "cores_busy": cores,

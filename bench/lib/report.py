@@ -226,6 +226,8 @@ def aggregate(variant: str, x: float, all_runs: list[dict]) -> dict:
         "peak_rss_mb": med("server", "peak_rss_mb"),
         "rss_before_load_mb": med("server", "rss_before_load_mb"),
         "rss_growth_per_connection_kib": med("server", "rss_growth_per_connection_kib"),
+        "server_per_request": {k: med("server", "per_request", k)
+                               for k in ("user_ms", "system_ms", "voluntary_switches", "involuntary_switches")},
         "process_cpu_util": {name: med("processes", name, "cpu_util") for name in process_names},
         "cores_busy": {core: med("cores_busy", core) for core in sorted(first.get("cores_busy", {}))},
         "limiting_resource": limiting_resource(sorted(runs, key=lambda r: r["ok_rps"])[len(runs) // 2]),
@@ -347,6 +349,18 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
         cells += [pct(r["cores_busy"].get("cpu0")), pct(r["cores_busy"].get("cpu1"))]
         cells += [fmt(r["process_cpu_util"].get(p), 2) for p in procs] + [r["limiting_resource"]]
         out.append("| " + " | ".join(cells) + " |")
+    # Runs recorded before the lab split the server's CPU have no such table.
+    if any(dig(r, "server_per_request", "user_ms") is not None for r in rows):
+        out += ["", "The server's CPU per request split into user and system time, and its context switches per "
+                "request summed over its threads (voluntary: a thread waited; involuntary: it was preempted on its "
+                "core, also by the server's own other threads):", "",
+                "| variant | " + x_name + " | user ms/req | system ms/req | voluntary switches/req | involuntary switches/req |",
+                "|---|---|---|---|---|---|"]
+        for r in rows:
+            split = r.get("server_per_request") or {}
+            out.append("| " + " | ".join([r["variant"], fmt(r["x"], 0), fmt(split.get("user_ms"), 3),
+                                          fmt(split.get("system_ms"), 3), fmt(split.get("voluntary_switches"), 2),
+                                          fmt(split.get("involuntary_switches"), 3)]) + " |")
     out += calls_table(rows, x_name)
     if any("gateway_metrics" in r for r in rows):
         out += ["", "## Gateway metrics (deltas of /metrics over the measured window)", ""]
