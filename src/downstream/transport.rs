@@ -4,8 +4,9 @@
 //! Why a second way at all: reqwest wraps that same hyper-util client in layers this gateway
 //! never uses, and pays for them on every call. Its redirect follower turns the request's URI
 //! back into a string and parses it as a `Url` even with redirects off, and the response path
-//! parses it once more; its retry layer clones the request; its `Url` becomes a `Uri` through
-//! another string; and the header map is copied into the hyper request. Going to hyper-util
+//! parses it once more; its retry layer is still there with retries off (which spares only its
+//! clone of every request); its `Url` becomes a `Uri` through another string; and the header
+//! map is copied into the hyper request. Going to hyper-util
 //! directly keeps what the gateway does use (the keep-alive pool, its idle bound and timeout,
 //! the connect timeout, `TCP_NODELAY`) and drops the rest; docs/benchmarks.md has the counts.
 //!
@@ -70,7 +71,13 @@ impl Client {
                     .pool_idle_timeout(settings.pool_idle_timeout)
                     .connect_timeout(settings.connect_timeout)
                     .tcp_nodelay(true)
-                    .redirect(reqwest::redirect::Policy::none());
+                    .redirect(reqwest::redirect::Policy::none())
+                    // The gateway retries on its own terms (`downstreams.*.retry`: a budget,
+                    // never past the deadline, never while its core is saturated), and a retry
+                    // inside the client would be one that policy never sees. With none allowed,
+                    // reqwest's retry layer also stops cloning every request (headers,
+                    // extensions and all) in case it retries: its default allows two.
+                    .retry(reqwest::retry::never().max_retries_per_request(0));
                 if settings.http2_prior_knowledge {
                     builder = builder.http2_prior_knowledge();
                 }
@@ -360,6 +367,50 @@ mod tests {
             };
             assert_eq!(sent, "http://h:9001/users/7", "{kind:?}");
         }
+    }
+
+    /// reqwest's default retries a stream the server refused (RST_STREAM REFUSED_STREAM) twice
+    /// more, inside `send` and out of sight of the gateway's own retry policy; the client is
+    /// built to make one attempt, and the refusal comes back as the call's error.
+    #[tokio::test]
+    async fn the_reqwest_client_makes_one_attempt_and_leaves_retries_to_the_gateway() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let streams = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::clone(&streams);
+        let server = tokio::spawn(async move {
+            loop {
+                let (socket, _) = listener.accept().await.unwrap();
+                let seen = Arc::clone(&seen);
+                tokio::spawn(async move {
+                    let Ok(mut conn) = h2::server::handshake(socket).await else {
+                        return;
+                    };
+                    while let Some(Ok((_request, mut respond))) = conn.accept().await {
+                        seen.fetch_add(1, SeqCst);
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                    }
+                });
+            }
+        });
+        let settings = HttpClientSettings {
+            transport: TransportKind::Reqwest,
+            http2_prior_knowledge: true,
+            ..HttpClientSettings::default()
+        };
+        let base = Url::parse(&format!("http://{addr}/users/")).unwrap();
+        let transport = Transport::new(Client::new(&settings).unwrap(), &base).unwrap();
+        let sent = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            transport.send(Service::Users, &transport.target(1), HeaderMap::new()),
+        )
+        .await
+        .expect("the refused call ends");
+        assert!(sent.is_err(), "a refused stream is the call's error");
+        assert_eq!(streams.load(SeqCst), 1, "one stream sent, no retry");
+        server.abort();
     }
 
     #[test]
