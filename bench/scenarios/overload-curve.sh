@@ -43,6 +43,8 @@ config_env() {
     target10) echo "TRIBUTARY_OVERLOAD__QUEUE_DELAY_TARGET=10ms" ;;
     hold2) echo "TRIBUTARY_ADMISSION__PUSHBACK_MAX_HOLD=2s" ;;
     hold5) echo "TRIBUTARY_ADMISSION__PUSHBACK_MAX_HOLD=5s" ;;
+    # nopush: no pushback, every 503 answered at once (what a gateway behind an L7 proxy runs).
+    nopush) echo "TRIBUTARY_ADMISSION__PUSHBACK=false" ;;
     # unchecked: every window of the core's queue over the target cuts the adaptive limit, as
     # before overload.check_core_cuts.
     unchecked) echo "TRIBUTARY_OVERLOAD__CHECK_CORE_CUTS=false" ;;
@@ -56,7 +58,7 @@ config_env() {
     # dbpool-N: the shipped defaults with N pooled database connections (max_replicas lowered so
     # that N × replicas still fits the server's connections, as start-up checks).
     dbpool-[0-9]*) echo "TRIBUTARY_DATABASE__MAX_CONNECTIONS=${1#dbpool-} TRIBUTARY_DATABASE__MAX_REPLICAS=1" ;;
-    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, unchecked, probe, noprobe, target-N, static-N, dbpool-N)"; exit 2 ;;
+    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, nopush, unchecked, probe, noprobe, target-N, static-N, dbpool-N)"; exit 2 ;;
   esac
 }
 
