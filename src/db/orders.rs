@@ -41,7 +41,7 @@ impl<'r> FromRow<'r, PgRow> for OrderSummary {
     /// microseconds since the epoch instead, which is exactly what Postgres stores.
     ///
     /// Columns are read by position, in [`PREPARE_RECENT_ORDERS`]'s order: by name, each is a
-    /// SipHash lookup in the row's column map, 20 a dashboard (about 2,000 instructions).
+    /// SipHash lookup in the row's column map, 20 a dashboard (about 2,600 instructions).
     fn from_row(row: &'r PgRow) -> sqlx::Result<Self> {
         let micros: i64 = row.try_get(3)?;
         Ok(Self {
