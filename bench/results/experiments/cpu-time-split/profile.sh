@@ -6,24 +6,11 @@
 #   VARIANTS="bare 46f72b3" CONNS=150 bench/results/experiments/cpu-time-split/profile.sh
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-# shellcheck source-path=SCRIPTDIR source=../../../lib/common.sh
-source lib/common.sh
-BENCH_OUT="$(mktemp -d "${TMPDIR:-/tmp}/bench-split.XXXXXX")"
-BENCH_TMP_OUT="$BENCH_OUT"
-trap 'rm -rf "$BENCH_TMP_OUT"' EXIT
-bench_init split
-bench_db_prepare
-bench_start_sims 100ms
-conns=${CONNS:-150}
-read -r -a variants <<<"${VARIANTS:-bare shipped}"
+# shellcheck source-path=SCRIPTDIR source=rig.sh
+source results/experiments/cpu-time-split/rig.sh
 for v in "${variants[@]}"; do
-  case $v in
-    bare) bench_start_bare ;;
-    *) BIN_DIR="${BIN_ROOT:-/tmp}/bin-$v" bench_start_gateway ;;
-  esac
-  WRK_PATH_TEMPLATE='/api/v1/dashboard/{id}' WRK_ID_MAX="$BENCH_USERS" taskset -c "$LOADGEN_CPUS" \
-    wrk -t1 -c"$conns" -d25s -s "$BENCH_DIR/lib/wrk_report.lua" \
-    "http://127.0.0.1:$GATEWAY_PORT/api/v1/dashboard/1" >"$LOG_DIR/wrk-$v.out" 2>&1 &
+  start_server "$v"
+  dashboard_load 25 >"$LOG_DIR/wrk-$v.out" 2>&1 &
   wrk_pid=$!
   sleep 5
   perf record -e cpu-clock -F 1999 -p "$GATEWAY_PID" -o "$LOG_DIR/$v.data" -- sleep 15 >/dev/null 2>&1

@@ -7,15 +7,8 @@
 #   VARIANTS="bare shipped probe-off" CONNS=150 bench/results/experiments/cpu-time-split/split.sh
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-# shellcheck source-path=SCRIPTDIR source=../../../lib/common.sh
-source lib/common.sh
-BENCH_OUT="$(mktemp -d "${TMPDIR:-/tmp}/bench-split.XXXXXX")"
-BENCH_TMP_OUT="$BENCH_OUT"
-trap 'rm -rf "$BENCH_TMP_OUT"' EXIT
-bench_init split
-bench_db_prepare
-bench_start_sims 100ms
-conns=${CONNS:-150}
+# shellcheck source-path=SCRIPTDIR source=rig.sh
+source results/experiments/cpu-time-split/rig.sh
 sample() {
   python3 - "$1" <<'PY'
 import glob, os, sys
@@ -32,19 +25,12 @@ for t in glob.glob(f"/proc/{pid}/task/*/status"):
 print(int(f[11]) / tck, int(f[12]) / tck, vol, inv)
 PY
 }
-load() {
-  WRK_PATH_TEMPLATE='/api/v1/dashboard/{id}' WRK_ID_MAX="$BENCH_USERS" taskset -c "$LOADGEN_CPUS" \
-    wrk -t1 -c"$conns" -d"$1"s -s "$BENCH_DIR/lib/wrk_report.lua" "http://127.0.0.1:$GATEWAY_PORT/api/v1/dashboard/1"
-}
 for rep in 1 2 3; do
-  for v in ${VARIANTS:-bare shipped}; do
-    case $v in
-      bare) bench_start_bare ;;
-      *) BIN_DIR="${BIN_ROOT:-/tmp}/bin-$v" bench_start_gateway ;;
-    esac
-    load 5 >/dev/null 2>&1
+  for v in "${variants[@]}"; do
+    start_server "$v"
+    dashboard_load 5 >/dev/null 2>&1
     before=$(sample "$GATEWAY_PID")
-    load 15 >"$LOG_DIR/wrk.out" 2>&1
+    dashboard_load 15 >"$LOG_DIR/wrk.out" 2>&1
     after=$(sample "$GATEWAY_PID")
     python3 - "$v" "$rep" "$before" "$after" "$LOG_DIR/wrk.out" <<'PY'
 import json, re, sys
