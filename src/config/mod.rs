@@ -423,6 +423,15 @@ pub struct AdmissionSettings {
     /// Longest wait for a permit before a 503.
     #[serde(with = "humantime_serde")]
     pub max_wait: Duration,
+    /// Longest wait for a permit while the wait queue stands: when, over a whole control
+    /// interval (100 ms), requests found no permit free and none was admitted without waiting,
+    /// the queue never emptied, and waiting in it buys no throughput (a waiter is always there
+    /// to take a returned permit); it only adds its length to every admitted request's latency.
+    /// Waits are then capped at this (at most `max_wait`), until a request finds a permit free
+    /// again. Facebook's "controlled delay" for server queues (CoDel's idea: 100 ms normally,
+    /// 5–10 ms once the queue has not been empty for an interval).
+    #[serde(with = "humantime_serde")]
+    pub standing_max_wait: Duration,
     /// A client on HTTP/1 that comes back before its last 503's `Retry-After` (at most
     /// `pushback_max_hold`) and is turned away again gets that 503 only when the `Retry-After`
     /// is over, so a client that retries at once costs one rejection per pause, not one per
@@ -462,6 +471,7 @@ impl Default for AdmissionSettings {
             mode: AdmissionMode::Adaptive,
             max_in_flight: nonzero(2000),
             max_wait: Duration::from_millis(100),
+            standing_max_wait: Duration::from_millis(10),
             pushback: true,
             pushback_max_hold: Duration::from_secs(5),
             groups: BTreeMap::new(),
