@@ -204,6 +204,7 @@ SAMPLED_GAUGES = {
     ("tributary_admission_limit", ("group", "dashboard")): "admission_limit_dashboard",
     ("tributary_admission_permits_in_use", ("group", "dashboard")): "admission_in_use_dashboard",
     ("tributary_admission_shedding", None): "admission_shedding",
+    ("tributary_admission_queue_standing", ("group", "dashboard")): "admission_queue_standing_dashboard",
 }
 # Circuit-breaker state (0 closed, 1 half-open, 2 open), sampled as the number of downstreams
 # whose breaker is open / not closed at the sample.

@@ -55,9 +55,9 @@ config_env() {
     target-[0-9]*) echo "TRIBUTARY_OVERLOAD__QUEUE_DELAY_TARGET=${1#target-}ms" ;;
     # static-N: a static limit of N permits (the shipped wait), to compare with a learnt one.
     static-[0-9]*) echo "TRIBUTARY_ADMISSION__MODE=static TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=${1#static-}" ;;
-    # standing-N: waits capped at N ms while the admission wait queue stands (standing-100: no
-    # cap, as before 2026-12-06).
-    standing-[0-9]*) echo "TRIBUTARY_ADMISSION__STANDING_MAX_WAIT=${1#standing-}ms" ;;
+    # standing-N: a standing admission wait queue kept to what returns within N ms
+    # (standing-100: as long as max_wait allows, as before 2026-12-06).
+    standing-[0-9]*) echo "TRIBUTARY_ADMISSION__STANDING_WAIT=${1#standing-}ms" ;;
     # dbpool-N: the shipped defaults with N pooled database connections (max_replicas lowered so
     # that N × replicas still fits the server's connections, as start-up checks).
     dbpool-[0-9]*) echo "TRIBUTARY_DATABASE__MAX_CONNECTIONS=${1#dbpool-} TRIBUTARY_DATABASE__MAX_REPLICAS=1" ;;
