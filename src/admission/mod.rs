@@ -136,7 +136,10 @@ impl Admission {
                 controller,
                 Waits {
                     max: max_wait,
-                    standing: settings.admission.standing_wait.min(max_wait),
+                    standing: settings
+                        .admission
+                        .standing_wait
+                        .map_or(max_wait, |w| w.min(max_wait)),
                 },
                 queue_delay.clone(),
             ))
@@ -786,8 +789,8 @@ impl Limiter {
 struct Waits {
     /// `admission.max_wait` (or the group's).
     max: Duration,
-    /// `admission.standing_wait`, at most `max`: the wait room's horizon while the queue
-    /// stands.
+    /// `admission.standing_wait`, at most `max` (`max` when unset): the wait room's horizon
+    /// while the queue stands.
     standing: Duration,
 }
 
@@ -839,7 +842,7 @@ mod tests {
         s.admission.adaptive.initial_limit = limit;
         s.admission.adaptive.min_limit = std::num::NonZeroUsize::new(1).unwrap();
         s.admission.max_wait = max_wait;
-        s.admission.standing_wait = Duration::from_millis(10);
+        s.admission.standing_wait = Some(Duration::from_millis(10));
         let q = QueueDelay::manual(TARGET);
         let a = Admission::build(&s, &q, Vec::new());
         (a.limiter(RouteGroup::Dashboard), q)

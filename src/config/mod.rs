@@ -430,14 +430,14 @@ pub struct AdmissionSettings {
     /// serves within this (at most `max_wait`; half of it, as for `max_wait`), and the rest
     /// are turned away at once, until an interval in which most requests find a permit free.
     /// CoDel's test, and Facebook's "controlled delay" for server queues. `max_wait` stays the
-    /// timeout: a waiter whose permit is late is not turned away sooner. Off by default (equal
-    /// to `max_wait`): at 10 ms the lab measured admitted requests waiting 3–11 ms instead of
+    /// timeout: a waiter whose permit is late is not turned away sooner. Unset, the default:
+    /// off (a standing queue may be as long as `max_wait` allows). At 10 ms the lab measured admitted requests waiting 3–11 ms instead of
     /// 29–42 ms on average under overload (the median success 20–50 ms sooner), but clients
     /// that honour `Retry-After` lost 12–19 % of their goodput on a whole core, the more
     /// requests turned away at once staying away for seconds while permits went idle
     /// (docs/benchmarks.md); suited to clients that retry at once or not at all.
     #[serde(with = "humantime_serde")]
-    pub standing_wait: Duration,
+    pub standing_wait: Option<Duration>,
     /// A client on HTTP/1 that comes back before its last 503's `Retry-After` (at most
     /// `pushback_max_hold`) and is turned away again gets that 503 only when the `Retry-After`
     /// is over, so a client that retries at once costs one rejection per pause, not one per
@@ -477,7 +477,7 @@ impl Default for AdmissionSettings {
             mode: AdmissionMode::Adaptive,
             max_in_flight: nonzero(2000),
             max_wait: Duration::from_millis(100),
-            standing_wait: Duration::from_millis(100),
+            standing_wait: None,
             pushback: true,
             pushback_max_hold: Duration::from_secs(5),
             groups: BTreeMap::new(),
