@@ -371,7 +371,7 @@ pub(crate) const CUTS_UNDONE: Family = Family::counter(
 );
 pub(crate) const QUEUE_STANDING: Family = Family::gauge(
     "tributary_admission_queue_standing",
-    "1 while a group's wait queue has stood (requests found no permit and none was admitted without waiting) for a whole control interval, so the queue is kept to what returns within admission.standing_wait; else 0.",
+    "1 while a group's wait queue has stood (requests found no permit and none was admitted without waiting) for a whole control interval and is kept to what returns within admission.standing_wait; always 0 while that is unset.",
 );
 pub(crate) const SHEDDING: Family = Family::gauge(
     "tributary_admission_shedding",
@@ -553,7 +553,9 @@ impl Limiter {
     pub(crate) fn try_admit(self: &Arc<Self>) -> Decision {
         if let Ok(permit) = Arc::clone(&self.semaphore).try_acquire_owned() {
             self.metrics.wait.record(0.0);
-            self.at_once.fetch_add(1, Ordering::Relaxed);
+            if self.waits.cuts_standing() {
+                self.at_once.fetch_add(1, Ordering::Relaxed);
+            }
             return Decision::Admitted(self.admitted(permit));
         }
         self.found_none.fetch_add(1, Ordering::Relaxed);
@@ -655,8 +657,11 @@ impl Limiter {
         let limited = found_none > 0;
         let was = self.standing.load(Ordering::Relaxed);
         // It starts to stand when requests found no permit and not one found it free (the
-        // queue never emptied), and stops when most found one free.
-        let standing = if was {
+        // queue never emptied), and stops when most found one free. Not followed when
+        // `standing_wait` is unset: nothing would change, and `at_once` is not counted.
+        let standing = if !self.waits.cuts_standing() {
+            false
+        } else if was {
             at_once <= found_none
         } else {
             limited && at_once == 0
@@ -792,6 +797,14 @@ struct Waits {
     /// `admission.standing_wait`, at most `max` (`max` when unset): the wait room's horizon
     /// while the queue stands.
     standing: Duration,
+}
+
+impl Waits {
+    /// Whether a standing queue is kept shorter than `max_wait` allows (`standing_wait` set
+    /// below it); if not, the standing state is not followed at all.
+    fn cuts_standing(self) -> bool {
+        self.standing < self.max
+    }
 }
 
 /// Counts one request as waiting for a permit for as long as it lives.
