@@ -3,12 +3,12 @@
 //! The pool is the gateway's scarcest resource: thousands of cheap concurrent requests in front
 //! of a few dozen connections is exactly where latency goes when it is sized wrong. So every
 //! acquire is measured, and the time spent *waiting* for a pooled connection is kept apart from the time
-//! spent *opening* one (sqlx reports neither; see `Db::acquire`). Every statement runs with a
+//! spent *opening* one (see `Db::acquire_until`). The pool is deadpool's, not sqlx's: `pool` says why. Every statement runs with a
 //! `statement_timeout` derived from the request's remaining budget, so a query is never left
 //! running on the server after its caller has given up.
 //!
-//! A restarted database leaves the pool full of dead connections, and sqlx finds out only when
-//! one is used. A statement that fails because its connection is gone is therefore run once
+//! A restarted database leaves the pool full of dead connections, and the pool finds out only
+//! when one is used. A statement that fails because its connection is gone is therefore run once
 //! more on another connection, when that is safe: always for reads, and for the order
 //! transaction only when it failed before `COMMIT` was sent (the server rolls back a
 //! transaction whose connection died; after `COMMIT` the outcome is unknown, the client gets a
@@ -18,6 +18,7 @@
 
 mod health;
 pub(crate) mod orders;
+mod pool;
 mod seed;
 
 /// The dashboard micro-benchmark (`benches/`) hands the merge rows it built itself; nothing
@@ -27,13 +28,10 @@ pub use orders::OrderSummary;
 
 use std::{cell::Cell, str::FromStr, sync::Arc, time::Duration};
 
-use futures::FutureExt;
+use deadpool::managed::PoolError;
 use metrics::{Counter, Gauge, Histogram};
 use sqlx::{
-    ConnectOptions, Connection, PgConnection, PgPool,
-    migrate::Migrator,
-    pool::PoolConnection,
-    postgres::{PgConnectOptions, PgPoolOptions},
+    ConnectOptions, Connection, PgConnection, migrate::Migrator, postgres::PgConnectOptions,
 };
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -41,6 +39,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{config::DatabaseSettings, overload::StandingQueue, telemetry::Family};
 pub(crate) use health::DbState;
 use health::Health;
+use pool::{Conn, Connections, OPENED_CONNECTION, Pool, Upkeep};
 
 /// The migrations in `migrations/`, embedded in the binary.
 pub(crate) static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
@@ -48,12 +47,6 @@ pub(crate) static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 /// Statement timeouts are never set below this: a budget that small cannot do useful work, and
 /// the caller will not start the query at all (see [`Db::acquire_for_request`]).
 const MIN_STATEMENT_TIMEOUT: Duration = Duration::from_millis(5);
-
-tokio::task_local! {
-    /// Set to true by the pool's `after_connect` hook when an acquire had to open a connection.
-    /// The hook runs inside the acquiring task, so a task-local is exactly scoped to one acquire.
-    static OPENED_CONNECTION: Cell<bool>;
-}
 
 /// How long a health check may take; also the bound of `/readyz`'s own check.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(1);
@@ -66,7 +59,11 @@ const UNDEFINED_TABLE: &str = "42P01";
 /// A handle to the pool plus its instruments. Cheap to clone.
 #[derive(Clone)]
 pub struct Db {
-    pool: PgPool,
+    pool: Pool,
+    /// Idle timeout, lifetime and `min_connections`, kept by the pool sampler.
+    upkeep: Arc<Upkeep>,
+    /// The longest wait for a pooled connection (`database.acquire_timeout`).
+    acquire_timeout: Duration,
     metrics: Arc<PoolMetrics>,
     health: Arc<Health>,
     /// For the health check's own connection, which tells "the pool is full" from "the
@@ -249,6 +246,20 @@ impl From<sqlx::Error> for DbError {
     }
 }
 
+impl From<PoolError<sqlx::Error>> for DbError {
+    fn from(e: PoolError<sqlx::Error>) -> Self {
+        match e {
+            PoolError::Backend(e) => e.into(),
+            PoolError::Timeout(_) => DbError::PoolTimedOut,
+            PoolError::Closed => DbError::Unavailable(sqlx::Error::PoolClosed),
+            // No runtime and no hooks are configured (see `Db::connect_lazy`).
+            e @ (PoolError::NoRuntimeSpecified | PoolError::PostCreateHook(_)) => {
+                DbError::Database(sqlx::Error::Protocol(e.to_string()))
+            }
+        }
+    }
+}
+
 impl DbError {
     /// Whether statements failed because their connection was gone (or the database is): run
     /// on another connection they may succeed, the database having come back.
@@ -282,30 +293,32 @@ impl Db {
     /// Builds the pool without connecting: the gateway starts (and reports not-ready) while the
     /// database is down, and connections are opened on demand up to `max_connections`.
     pub fn connect_lazy(settings: &DatabaseSettings) -> anyhow::Result<Self> {
-        let options =
-            PgConnectOptions::from_str(settings.url.expose())?.application_name("tributary");
-        let pool = PgPoolOptions::new()
-            .max_connections(settings.max_connections.get())
-            .min_connections(settings.min_connections)
-            .acquire_timeout(settings.acquire_timeout)
-            .idle_timeout(settings.idle_timeout)
-            .max_lifetime(settings.max_lifetime)
-            // No ping before every acquire (sqlx's default): it is a round trip on the hot path,
-            // held with the connection. A connection broken by a server restart fails its next
-            // statement instead, which is then retried once on another connection (see the
-            // module's documentation), and reused connections are pinged for a while after.
-            .test_before_acquire(false)
-            .after_connect(|_conn, _meta| {
-                let _ = OPENED_CONNECTION.try_with(|opened| opened.set(true));
-                futures::future::ready(Ok(())).boxed()
-            })
-            .connect_lazy_with(options.clone());
+        let options = Arc::new(
+            PgConnectOptions::from_str(settings.url.expose())?.application_name("tributary"),
+        );
+        // No test before a connection is reused (a round trip on the hot path, held with the
+        // connection): one broken by a server restart fails its next statement instead, which
+        // is then retried once on another connection (see the module's documentation), and
+        // reused connections are pinged for a while after. No pool-level timeouts either: every
+        // acquire is bounded by its caller (`acquire_raw`).
+        let pool = Pool::builder(Connections::new(
+            Arc::clone(&options),
+            settings.max_lifetime,
+        ))
+        .max_size(settings.max_connections.get() as usize)
+        .build()?;
         let metrics = Arc::new(PoolMetrics::register(settings.max_connections.get()));
         let db = Self {
             pool,
+            upkeep: Arc::new(Upkeep::new(
+                settings.min_connections as usize,
+                settings.idle_timeout,
+                settings.max_lifetime,
+            )),
+            acquire_timeout: settings.acquire_timeout,
             metrics,
             health: Arc::new(Health::new()),
-            options: Arc::new(options),
+            options,
             queue: StandingQueue::new(
                 metrics::gauge!(POOL_QUEUE_STANDING.name),
                 metrics::gauge!(POOL_WAITERS.name),
@@ -315,8 +328,13 @@ impl Db {
         Ok(db)
     }
 
-    pub(crate) fn pool(&self) -> &PgPool {
-        &self.pool
+    /// A connection for work outside a request (migrations, the seed), within
+    /// `database.acquire_timeout`. The caller settles it when its statements are done.
+    async fn acquire_plain(&self) -> Result<Conn, DbError> {
+        let (conn, _) = self
+            .acquire_raw(Instant::now() + self.acquire_timeout)
+            .await?;
+        Ok(conn)
     }
 
     /// The pool's wait line, as the admission limit watches it.
@@ -327,16 +345,22 @@ impl Db {
     /// Applies pending migrations. A database that does not exist is a [`MissingDatabase`],
     /// which says how to create it.
     pub async fn migrate(&self) -> anyhow::Result<()> {
-        match MIGRATOR.run(&self.pool).await {
-            Ok(()) => Ok(()),
-            Err(e) if names_missing_database(&e) => Err(MissingDatabase {
+        let result: anyhow::Result<()> = async {
+            let mut conn = self.acquire_plain().await?;
+            MIGRATOR.run(&mut **conn).await?;
+            conn.settle();
+            Ok(())
+        }
+        .await;
+        match result {
+            Err(e) if names_missing_database(e.as_ref()) => Err(MissingDatabase {
                 name: self.options.get_database().unwrap_or("postgres").to_owned(),
                 host: self.options.get_host().to_owned(),
                 port: self.options.get_port(),
                 user: self.options.get_username().to_owned(),
             }
             .into()),
-            Err(e) => Err(e.into()),
+            r => r,
         }
     }
 
@@ -402,14 +426,12 @@ impl Db {
             // The connection may carry a request's short statement_timeout; give the check its own.
             set_statement_timeout(&mut conn, CHECK_TIMEOUT).await?;
             sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
-                .fetch_one(&mut *conn)
+                .fetch_one(&mut **conn)
                 .await
                 .map_err(DbError::from)
         }
         .await;
-        if matches!(result, Err(DbError::Unavailable(_))) {
-            self.discard(conn);
-        }
+        self.release(conn, result.as_ref().err());
         result
     }
 
@@ -448,8 +470,8 @@ impl Db {
     }
 
     /// Samples the pool's occupancy into its gauges once a second until `shutdown` is
-    /// cancelled (sqlx reports no events to count, so occupancy is polled); starts the health
-    /// probe beside it.
+    /// cancelled (the pool reports no events to count, so occupancy is polled), and keeps the
+    /// pool (`pool::maintain`); starts the health probe beside it.
     pub(crate) fn spawn_pool_sampler(&self, shutdown: CancellationToken) {
         self.spawn_health_probe(shutdown.clone());
         let db = self.clone();
@@ -458,7 +480,10 @@ impl Db {
             loop {
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    _ = tick.tick() => db.record_pool_gauges(),
+                    _ = tick.tick() => {
+                        pool::maintain(&db.pool, &db.upkeep, db.health.is_known_down());
+                        db.record_pool_gauges();
+                    }
                 }
             }
         });
@@ -466,20 +491,18 @@ impl Db {
 
     /// Samples pool occupancy into the gauges.
     fn record_pool_gauges(&self) {
-        let size = self.pool.size() as f64;
-        let idle = self.pool.num_idle() as f64;
-        self.metrics.idle.set(idle);
-        self.metrics.in_use.set((size - idle).max(0.0));
+        let status = self.pool.status();
+        self.metrics.idle.set(status.available as f64);
+        self.metrics
+            .in_use
+            .set(status.size.saturating_sub(status.available) as f64);
     }
 
     /// Acquires a connection, waiting until `deadline` at most. Records waiting and connecting
     /// separately: an acquire that had to open a connection is recorded as connect time (its
     /// permit wait is part of it, and is short whenever a slot was free to open), every other
     /// acquire as wait time.
-    async fn acquire_until(
-        &self,
-        deadline: Instant,
-    ) -> Result<PoolConnection<sqlx::Postgres>, DbError> {
+    async fn acquire_until(&self, deadline: Instant) -> Result<Conn, DbError> {
         let m = &self.metrics;
         // Counted (and in the waiters gauge) until the acquire ends, however it ends.
         let _in_line = self.queue.enter();
@@ -502,14 +525,14 @@ impl Db {
                 m.acquire_timeouts.increment(1);
                 m.acquire_wait.record(elapsed);
                 self.queue.waited(waited);
-                // A full pool, or a database that refuses connections (the pool retries a
-                // refused connect until its timeout): the probe tells which.
+                // A full pool, or a database that does not answer a connect: the probe tells
+                // which.
                 self.health.check_soon();
                 Err(DbError::PoolTimedOut)
             }
             Err(e) => {
                 if let DbError::Unavailable(cause) = &e {
-                    // A connect that failed for good (a login refused, no such database).
+                    // A connect that failed: refused, a login refused, no such database.
                     self.health.record(DbState::Down, Some(causes(cause)));
                 }
                 Err(e)
@@ -517,35 +540,26 @@ impl Db {
         }
     }
 
-    /// Acquires a connection until `deadline`, and whether it had to be opened. While pooled
-    /// connections are suspect, a reused one is pinged first and a dead one discarded.
-    async fn acquire_raw(
-        &self,
-        deadline: Instant,
-    ) -> Result<(PoolConnection<sqlx::Postgres>, bool), DbError> {
+    /// Acquires a connection until `deadline` (or `database.acquire_timeout`, if sooner), and
+    /// whether it had to be opened. While pooled connections are suspect, a reused one is
+    /// pinged first and a dead one discarded.
+    async fn acquire_raw(&self, deadline: Instant) -> Result<(Conn, bool), DbError> {
+        let deadline = deadline.min(Instant::now() + self.acquire_timeout);
         loop {
-            // An idle connection, when there is one and nobody waits for it, is taken at once:
-            // it is what `acquire` would do first (no test before acquire is configured), without
-            // building its future. That future is some 2.5 KB; inline it made every future above
-            // it, up to the dashboard's orders part, as large, and each was moved whole into its
-            // parent's state on the first poll: three copies of ~3 KB a dashboard. So the wait
-            // for one is boxed too.
-            let (mut conn, opened) = match self.pool.try_acquire() {
-                Some(conn) => (conn, false),
-                None => {
-                    let (result, opened) = OPENED_CONNECTION
-                        .scope(Cell::new(false), async {
-                            let acquire = Box::pin(self.pool.acquire());
-                            let r = tokio::time::timeout_at(deadline, acquire).await;
-                            (r, OPENED_CONNECTION.with(Cell::get))
-                        })
-                        .await;
-                    match result {
-                        Ok(Ok(conn)) => (conn, opened),
-                        Ok(Err(e)) => return Err(DbError::from(e)),
-                        Err(_) => return Err(DbError::PoolTimedOut),
-                    }
-                }
+            // Boxed: deadpool's checkout future is some 700 bytes, and inline it would make
+            // every future above it, up to the dashboard's orders part, as large, each moved
+            // whole into its parent's state on the first poll.
+            let (result, opened) = OPENED_CONNECTION
+                .scope(Cell::new(false), async {
+                    let get = Box::pin(self.pool.get());
+                    let r = tokio::time::timeout_at(deadline, get).await;
+                    (r, OPENED_CONNECTION.with(Cell::get))
+                })
+                .await;
+            let mut conn = match result {
+                Ok(Ok(conn)) => conn,
+                Ok(Err(e)) => return Err(DbError::from(e)),
+                Err(_) => return Err(DbError::PoolTimedOut),
             };
             if opened || !self.health.pooled_connections_suspect() {
                 return Ok((conn, opened));
@@ -560,10 +574,20 @@ impl Db {
 
     /// Closes a connection found dead instead of returning it to the pool, and makes its
     /// siblings suspect.
-    pub(crate) fn discard(&self, mut conn: PoolConnection<sqlx::Postgres>) {
-        conn.close_on_drop();
-        drop(conn);
+    pub(crate) fn discard(&self, conn: Conn) {
+        drop(deadpool::managed::Object::take(conn));
         self.health.connection_lost();
+    }
+
+    /// Gives a connection back after its statements ended with `error` (or none): discarded
+    /// when the error says the connection is gone, settled otherwise (every statement was
+    /// answered, so it goes back without a drain).
+    pub(crate) fn release(&self, mut conn: Conn, error: Option<&DbError>) {
+        if error.is_some_and(DbError::is_connection_lost) {
+            self.discard(conn);
+        } else {
+            conn.settle();
+        }
     }
 
     /// Acquires a connection for the current request: the wait is bounded by the remaining
@@ -571,9 +595,7 @@ impl Db {
     /// the session's `statement_timeout` before its statements ([`set_statement_timeout`], or
     /// inline in the same round trip), so the server abandons a statement its caller can no
     /// longer use.
-    pub(crate) async fn acquire_for_request(
-        &self,
-    ) -> Result<(PoolConnection<sqlx::Postgres>, Duration), DbError> {
+    pub(crate) async fn acquire_for_request(&self) -> Result<(Conn, Duration), DbError> {
         let deadline = crate::context::deadline();
         if deadline.saturating_duration_since(Instant::now()) < MIN_STATEMENT_TIMEOUT {
             return Err(DbError::BudgetExhausted);
@@ -601,7 +623,7 @@ impl Db {
     }
 
     pub(crate) async fn close(&self) {
-        self.pool.close().await;
+        pool::close(&self.pool).await;
     }
 }
 

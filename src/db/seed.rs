@@ -18,6 +18,7 @@ impl Db {
             (1..=1000).contains(&orders_per_user),
             "--orders-per-user must be between 1 and 1000"
         );
+        let mut conn = self.acquire_plain().await?;
         let mut inserted = 0;
         let mut first = 1;
         while first <= users {
@@ -40,12 +41,13 @@ impl Db {
             .bind(first)
             .bind(last)
             .bind(orders_per_user)
-            .execute(self.pool())
+            .execute(&mut **conn)
             .await?;
             inserted += done.rows_affected();
             first = last + 1;
         }
-        sqlx::query("ANALYZE orders").execute(self.pool()).await?;
+        sqlx::query("ANALYZE orders").execute(&mut **conn).await?;
+        conn.settle();
         Ok(inserted)
     }
 }
