@@ -40,8 +40,9 @@ use sqlx::{ConnectOptions, Connection, PgConnection, postgres::PgConnectOptions}
 /// Its statement was given the caller's remaining budget as `statement_timeout`, so the server
 /// gives up on it within that; one second is longer than any request's budget by default.
 pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(1);
-/// How long a graceful close (`Terminate`) of a retired connection may take.
-const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long background work on a connection may take: a graceful close (`Terminate`) of a
+/// retired one, or a connect that warms the pool up.
+const BACKGROUND_TIMEOUT: Duration = Duration::from_secs(1);
 
 tokio::task_local! {
     /// Set to true by [`Connections::create`] when an acquire had to open a connection. The
@@ -174,7 +175,7 @@ pub(crate) fn maintain(pool: &Pool, upkeep: &Arc<Upkeep>, database_down: bool) {
     if !removed.is_empty() {
         tokio::spawn(async move {
             for pooled in removed {
-                let _ = tokio::time::timeout(CLOSE_TIMEOUT, pooled.conn.close()).await;
+                let _ = tokio::time::timeout(BACKGROUND_TIMEOUT, pooled.conn.close()).await;
             }
         });
     }
@@ -190,7 +191,7 @@ pub(crate) fn maintain(pool: &Pool, upkeep: &Arc<Upkeep>, database_down: bool) {
         // in `OPENED_CONNECTION`'s scope: background connects are not a request's latency.
         let mut held = Vec::with_capacity(upkeep.min_connections);
         while held.len() < upkeep.min_connections {
-            match tokio::time::timeout(CLOSE_TIMEOUT, pool.get()).await {
+            match tokio::time::timeout(BACKGROUND_TIMEOUT, pool.get()).await {
                 Ok(Ok(mut conn)) => {
                     conn.settle();
                     held.push(conn);
@@ -209,7 +210,7 @@ pub(crate) async fn close(pool: &Pool) {
     let removed = pool.retain(|_, _| false).removed;
     pool.close();
     for pooled in removed {
-        let _ = tokio::time::timeout(CLOSE_TIMEOUT, pooled.conn.close()).await;
+        let _ = tokio::time::timeout(BACKGROUND_TIMEOUT, pooled.conn.close()).await;
     }
 }
 
@@ -332,5 +333,48 @@ mod tests {
                 .is_ok()
         );
         pooled.conn.close().await.unwrap();
+    }
+
+    /// What sqlx's pool did in the background, kept: `min_connections` opened while fewer are
+    /// open (and not while the database is known down), and idle connections past
+    /// `idle_timeout` closed down to `min_connections`.
+    #[tokio::test]
+    async fn the_sampler_keeps_min_connections_open_and_closes_the_idle_rest() {
+        let pool = Pool::builder(manager(Duration::from_secs(600)))
+            .max_size(8)
+            .build()
+            .unwrap();
+        let upkeep = Arc::new(Upkeep::new(2, Duration::ZERO, Duration::from_secs(600)));
+
+        maintain(&pool, &upkeep, true);
+        assert!(
+            !upkeep.warming.load(Ordering::Acquire),
+            "warming up while the database is known down"
+        );
+
+        maintain(&pool, &upkeep, false);
+        // The warm-up runs in its own task; give it up to 5 s to open two connections.
+        for _ in 0..500 {
+            if !upkeep.warming.load(Ordering::Acquire) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(pool.status().size, 2, "min_connections not opened");
+
+        let held: Vec<Conn> = futures::future::try_join_all((0..4).map(|_| pool.get()))
+            .await
+            .unwrap();
+        for mut conn in held {
+            conn.settle();
+        }
+        assert_eq!(pool.status().size, 4);
+        maintain(&pool, &upkeep, false);
+        assert_eq!(
+            pool.status().size,
+            2,
+            "idle connections past idle_timeout kept"
+        );
+        close(&pool).await;
     }
 }
