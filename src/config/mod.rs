@@ -431,8 +431,9 @@ pub struct AdmissionSettings {
     /// are turned away at once, until an interval in which most requests find a permit free.
     /// CoDel's test, and Facebook's "controlled delay" for server queues. `max_wait` stays the
     /// timeout: a waiter whose permit is late is not turned away sooner. Unset, the default:
-    /// off (a standing queue may be as long as `max_wait` allows). At 10 ms the lab measured admitted requests waiting 3–11 ms instead of
-    /// 29–42 ms on average under overload (the median success 20–50 ms sooner), but clients
+    /// off (a standing queue may be as long as `max_wait` allows). At 10 ms the lab measured
+    /// admitted requests waiting 3–11 ms instead of 29–42 ms on average under overload (the
+    /// median success 20–50 ms sooner), but clients
     /// that honour `Retry-After` lost 12–19 % of their goodput on a whole core, the more
     /// requests turned away at once staying away for seconds while permits went idle
     /// (docs/benchmarks.md); suited to clients that retry at once or not at all.

@@ -2,10 +2,11 @@
 //!
 //! The pool is the gateway's scarcest resource: thousands of cheap concurrent requests in front
 //! of a few dozen connections is exactly where latency goes when it is sized wrong. So every
-//! acquire is measured, and the time spent *waiting* for a pooled connection is kept apart from the time
-//! spent *opening* one (see `Db::acquire_until`). The pool is deadpool's, not sqlx's: `pool` says why. Every statement runs with a
-//! `statement_timeout` derived from the request's remaining budget, so a query is never left
-//! running on the server after its caller has given up.
+//! acquire is measured, and the time spent *waiting* for a pooled connection is kept apart from
+//! the time spent *opening* one (see `Db::acquire_until`). The pool is deadpool's, not sqlx's:
+//! `pool` says why. Every statement runs with a `statement_timeout` derived from the request's
+//! remaining budget, so a query is never left running on the server after its caller has given
+//! up.
 //!
 //! A restarted database leaves the pool full of dead connections, and the pool finds out only
 //! when one is used. A statement that fails because its connection is gone is therefore run once
@@ -313,7 +314,6 @@ impl Db {
             upkeep: Arc::new(Upkeep::new(
                 settings.min_connections as usize,
                 settings.idle_timeout,
-                settings.max_lifetime,
             )),
             acquire_timeout: settings.acquire_timeout,
             metrics,
@@ -421,7 +421,9 @@ impl Db {
 
     /// The latest migration applied, on a pooled connection.
     async fn applied_migrations(&self) -> Result<Option<i64>, DbError> {
-        let (mut conn, _) = self.acquire_raw(Instant::now() + CHECK_TIMEOUT).await?;
+        let (mut conn, _) = self
+            .acquire_raw(Instant::now() + CHECK_TIMEOUT.min(self.acquire_timeout))
+            .await?;
         let result = async {
             // The connection may carry a request's short statement_timeout; give the check its own.
             set_statement_timeout(&mut conn, CHECK_TIMEOUT).await?;
@@ -507,7 +509,9 @@ impl Db {
         // Counted (and in the waiters gauge) until the acquire ends, however it ends.
         let _in_line = self.queue.enter();
         let started = Instant::now();
-        let result = self.acquire_raw(deadline).await;
+        let result = self
+            .acquire_raw(deadline.min(started + self.acquire_timeout))
+            .await;
         let waited = started.elapsed();
         let elapsed = waited.as_secs_f64();
         match result {
@@ -540,11 +544,10 @@ impl Db {
         }
     }
 
-    /// Acquires a connection until `deadline` (or `database.acquire_timeout`, if sooner), and
-    /// whether it had to be opened. While pooled connections are suspect, a reused one is
+    /// Acquires a connection until `deadline` (callers keep it within `database.acquire_timeout`),
+    /// and whether it had to be opened. While pooled connections are suspect, a reused one is
     /// pinged first and a dead one discarded.
     async fn acquire_raw(&self, deadline: Instant) -> Result<(Conn, bool), DbError> {
-        let deadline = deadline.min(Instant::now() + self.acquire_timeout);
         loop {
             // Boxed: deadpool's checkout future is some 700 bytes, and inline it would make
             // every future above it, up to the dashboard's orders part, as large, each moved

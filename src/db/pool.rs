@@ -137,34 +137,29 @@ impl managed::Manager for Connections {
 pub(crate) struct Upkeep {
     pub(crate) min_connections: usize,
     pub(crate) idle_timeout: Duration,
-    pub(crate) max_lifetime: Duration,
     /// Set while a warm-up task runs, so that at most one does.
     warming: AtomicBool,
 }
 
 impl Upkeep {
-    pub(crate) fn new(
-        min_connections: usize,
-        idle_timeout: Duration,
-        max_lifetime: Duration,
-    ) -> Self {
+    pub(crate) fn new(min_connections: usize, idle_timeout: Duration) -> Self {
         Self {
             min_connections,
             idle_timeout,
-            max_lifetime,
             warming: AtomicBool::new(false),
         }
     }
 }
 
-/// Closes idle connections past `idle_timeout` (keeping `min_connections` open) or past
-/// `max_lifetime`, and opens connections in the background while fewer than `min_connections`
-/// are open, unless `database_down`. Called once a second; never waits.
+/// Closes idle connections past `idle_timeout` (keeping `min_connections` open) or past the
+/// manager's `max_lifetime`, and opens connections in the background while fewer than
+/// `min_connections` are open, unless `database_down`. Called once a second; never waits.
 pub(crate) fn maintain(pool: &Pool, upkeep: &Arc<Upkeep>, database_down: bool) {
+    let max_lifetime = pool.manager().max_lifetime;
     let mut open = pool.status().size;
     let removed = pool
         .retain(|_, m: Metrics| {
-            let retire = m.age() >= upkeep.max_lifetime
+            let retire = m.age() >= max_lifetime
                 || (m.last_used() >= upkeep.idle_timeout && open > upkeep.min_connections);
             if retire {
                 open -= 1;
@@ -173,11 +168,7 @@ pub(crate) fn maintain(pool: &Pool, upkeep: &Arc<Upkeep>, database_down: bool) {
         })
         .removed;
     if !removed.is_empty() {
-        tokio::spawn(async move {
-            for pooled in removed {
-                let _ = tokio::time::timeout(BACKGROUND_TIMEOUT, pooled.conn.close()).await;
-            }
-        });
+        tokio::spawn(close_gracefully(removed));
     }
     if open >= upkeep.min_connections
         || database_down
@@ -209,7 +200,13 @@ pub(crate) fn maintain(pool: &Pool, upkeep: &Arc<Upkeep>, database_down: bool) {
 pub(crate) async fn close(pool: &Pool) {
     let removed = pool.retain(|_, _| false).removed;
     pool.close();
-    for pooled in removed {
+    close_gracefully(removed).await;
+}
+
+/// Closes connections taken out of the pool with a `Terminate` each, within
+/// [`BACKGROUND_TIMEOUT`] each.
+async fn close_gracefully(connections: Vec<Pooled>) {
+    for pooled in connections {
         let _ = tokio::time::timeout(BACKGROUND_TIMEOUT, pooled.conn.close()).await;
     }
 }
@@ -344,7 +341,7 @@ mod tests {
             .max_size(8)
             .build()
             .unwrap();
-        let upkeep = Arc::new(Upkeep::new(2, Duration::ZERO, Duration::from_secs(600)));
+        let upkeep = Arc::new(Upkeep::new(2, Duration::ZERO));
 
         maintain(&pool, &upkeep, true);
         assert!(
