@@ -12,7 +12,8 @@ to point) and reads the medians:
     bench/lib/rounds.py /tmp/exp-1 /tmp/exp-2 /tmp/exp-3
 
 Per row: full-200 req/s (median, then every round's), the mean admission limit over the run, the
-p99 of full 200s, 503s per second, the database pool's mean acquire wait, the adaptive limit's
+p99 of full 200s (client-side), the mean server-side latency of 200s and the two waits inside it
+(for a permit, for a database connection), 503s per second, the adaptive limit's
 cuts by cause (`tributary_admission_limit_decreases_total`, summed over the rounds; `–` for a
 static limit; in builds that undo core cuts that did not shorten the queue, how many were
 undone) and how many rounds the measurement flagged as disturbed. A second table gives the
@@ -45,12 +46,16 @@ def row_of(path: Path) -> tuple[str, dict]:
     if undone is not None:
         by_cause["undone"] = sum(undone.values())
     pool = m.get("tributary_db_pool_acquire_wait_seconds", {}).get("all", {})
+    admission = m.get("tributary_admission_wait_seconds", {}).get("all", {})
+    served = m.get("http_server_request_duration_seconds", {}).get("200", {})
     return path.stem.rsplit("-r", 1)[0], {
         "goodput": d["goodput"]["full_rps"],
         "limit": sum(limits) / len(limits) if limits else None,
         "p99": d["latency_ms"].get("p99"),
         "rejected_per_s": d["goodput"]["rejected_503"] / d["duration_s"],
         "pool_wait_ms": pool.get("mean_ms"),
+        "admission_wait_ms": admission.get("mean_ms"),
+        "server_200_ms": served.get("mean_ms"),
         "cuts": dict(by_cause) if "tributary_admission_limit_decreases_total" in m else None,
         "disturbed": bool(d["conditions"]["disturbed"]),
         "gateway_core": d["processes"]["gateway"]["cpu_util"],
@@ -74,8 +79,8 @@ def main(dirs: list[str], by_dir: bool) -> None:
         for path in sorted(Path(d, "overload-curve", "runs").glob("*.json")):
             name, row = row_of(path)
             rows[label + name].append(row)
-    print("| configuration and point | full 200/s median | each round | mean limit | p99 ms | 503/s | pool wait ms | cuts core / db_pool / both | disturbed |")
-    print("|---|---:|---|---:|---:|---:|---:|---|---:|")
+    print("| configuration and point | full 200/s median | each round | mean limit | p99 ms | server 200 mean ms | admission wait ms | pool wait ms | 503/s | cuts core / db_pool / both | disturbed |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for name in sorted(rows):
         rs = rows[name]
         med = lambda k: statistics.median([r[k] for r in rs]) if all(r[k] is not None for r in rs) else None  # noqa: E731
@@ -89,7 +94,8 @@ def main(dirs: list[str], by_dir: bool) -> None:
             if "undone" in total:
                 cuts += f" ({total['undone']} undone)"
         print(f"| {name} | **{fmt(med('goodput'))}** | {', '.join(fmt(r['goodput']) for r in rs)} | {fmt(med('limit'))} "
-              f"| {fmt(med('p99'))} | {fmt(med('rejected_per_s'))} | {fmt(med('pool_wait_ms'), '{:.1f}')} | {cuts} "
+              f"| {fmt(med('p99'))} | {fmt(med('server_200_ms'))} | {fmt(med('admission_wait_ms'), '{:.1f}')} "
+              f"| {fmt(med('pool_wait_ms'), '{:.1f}')} | {fmt(med('rejected_per_s'))} | {cuts} "
               f"| {sum(r['disturbed'] for r in rs)} of {len(rs)} |")
     print()
     print("| configuration and point | gateway's share of core 0 | core 0 busy | core 1 busy | Postgres µs per full 200 | Postgres on |")

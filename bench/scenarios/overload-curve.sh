@@ -61,7 +61,10 @@ config_env() {
     # dbpool-N: the shipped defaults with N pooled database connections (max_replicas lowered so
     # that N × replicas still fits the server's connections, as start-up checks).
     dbpool-[0-9]*) echo "TRIBUTARY_DATABASE__MAX_CONNECTIONS=${1#dbpool-} TRIBUTARY_DATABASE__MAX_REPLICAS=1" ;;
-    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, nopush, unchecked, probe, noprobe, target-N, static-N, standing-N, dbpool-N)"; exit 2 ;;
+    # wait-N: the shipped defaults with admission.max_wait N ms (the wait queue holds half of
+    # what the release rate returns within it).
+    wait-[0-9]*) echo "TRIBUTARY_ADMISSION__MAX_WAIT=${1#wait-}ms" ;;
+    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, nopush, unchecked, probe, noprobe, target-N, static-N, standing-N, dbpool-N, wait-N)"; exit 2 ;;
   esac
 }
 

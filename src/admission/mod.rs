@@ -19,17 +19,18 @@
 //!   request without a permit is turned away without arming a timer. The decision
 //!   ([`Limiter::try_admit`]) is synchronous, and the edge (`http::edge`) takes it before any
 //!   other work on the request;
-//! - **a queue that never empties can be kept short** (`admission.standing_wait`): when over a
-//!   whole control interval requests found no permit free and none was admitted without
-//!   waiting, waiting buys no throughput (a waiter is always there to take a returned permit)
-//!   and only adds the queue's length to every admitted request's latency. The queue is then
-//!   kept to what the release rate serves within 10 ms instead of `max_wait`, and the rest are
-//!   turned away at once, until most requests find a permit free again (CoDel's test, and
-//!   Facebook's "controlled delay" for server queues). The length is cut, not the timeout: a
-//!   waiter timed out at 10 ms would be a 503 that took 10 ms (the lab's first version made
-//!   1–7 % of 503s so). Off by default: it cut the admitted requests' mean wait from 29–42 ms
-//!   to 3–11 ms under overload, but clients that honour `Retry-After`, turned away at once
-//!   more often, stayed away while permits went idle (12–19 % less goodput on a whole core);
+//! - **a queue that never empties is kept short** (`admission.standing_wait`, 30 ms): when
+//!   over a whole control interval requests found no permit free and none was admitted
+//!   without waiting, waiting buys no throughput (a waiter is always there to take a returned
+//!   permit) and only adds the queue's length to every admitted request's latency. The queue
+//!   is then kept to what the release rate serves within half of 30 ms instead of half of
+//!   `max_wait`, and the rest are turned away at once, until most requests find a permit free
+//!   again (CoDel's test, and Facebook's "controlled delay" for server queues). The length is
+//!   cut, not the timeout: a waiter timed out at 10 ms would be a 503 that took 10 ms (the
+//!   lab's first version made 1–7 % of 503s so). Under overload on a whole core it cut the
+//!   admitted requests' mean wait from 15–29 ms to 5–12 ms at the same goodput; a 10 ms
+//!   setting went too far: clients that honour `Retry-After`, turned away at once more often,
+//!   stayed away while permits went idle (12–19 % less goodput);
 //! - `Retry-After` comes from the observed drain rate and the whole backlog, including the
 //!   demand turned away in the last second, so clients back off about as long as it needs to
 //!   clear, spread by ±50 % so that they do not all come back at once;
@@ -371,7 +372,7 @@ pub(crate) const CUTS_UNDONE: Family = Family::counter(
 );
 pub(crate) const QUEUE_STANDING: Family = Family::gauge(
     "tributary_admission_queue_standing",
-    "1 while a group's wait queue has stood (requests found no permit and none was admitted without waiting) for a whole control interval and is kept to what returns within admission.standing_wait; always 0 while that is unset.",
+    "1 while a group's wait queue has stood (requests found no permit and none was admitted without waiting) for a whole control interval and is kept to what returns within admission.standing_wait; always 0 while that is off (unset, or at least max_wait).",
 );
 pub(crate) const SHEDDING: Family = Family::gauge(
     "tributary_admission_shedding",
@@ -855,7 +856,7 @@ mod tests {
         s.admission.adaptive.initial_limit = limit;
         s.admission.adaptive.min_limit = std::num::NonZeroUsize::new(1).unwrap();
         s.admission.max_wait = max_wait;
-        s.admission.standing_wait = Some(Duration::from_millis(10));
+        // `standing_wait` as shipped (30 ms): the tests below count with it.
         let q = QueueDelay::manual(TARGET);
         let a = Admission::build(&s, &q, Vec::new());
         (a.limiter(RouteGroup::Dashboard), q)
@@ -995,10 +996,10 @@ mod tests {
         assert!(l.is_standing());
 
         // Next interval, every permit held again. 40 permits come back per interval (100 ms):
-        // over max_wait (1 s) that is 400, half of which may wait; within standing_wait
-        // (10 ms here) 4, so 2 may wait, and the third is turned away at once.
+        // over max_wait (1 s) that is 400, half of which may wait; within the shipped
+        // standing_wait (30 ms) 12, so 6 may wait, and the seventh is turned away at once.
         let rest = hold(&l, 39).await;
-        let waiters: Vec<_> = (0..2)
+        let waiters: Vec<_> = (0..6)
             .map(|_| {
                 let l = Arc::clone(&l);
                 assert!(matches!(l.try_admit(), Decision::Wait));
@@ -1006,7 +1007,7 @@ mod tests {
             })
             .collect();
         tokio::task::yield_now().await;
-        assert_eq!(l.waiting(), 2);
+        assert_eq!(l.waiting(), 6);
         assert!(
             matches!(l.try_admit(), Decision::Rejected(_)),
             "a standing queue holds only what returns within standing_wait"

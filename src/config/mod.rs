@@ -430,13 +430,15 @@ pub struct AdmissionSettings {
     /// serves within this (at most `max_wait`; half of it, as for `max_wait`), and the rest
     /// are turned away at once, until an interval in which most requests find a permit free.
     /// CoDel's test, and Facebook's "controlled delay" for server queues. `max_wait` stays the
-    /// timeout: a waiter whose permit is late is not turned away sooner. Unset, the default:
-    /// off (a standing queue may be as long as `max_wait` allows). At 10 ms the lab measured
-    /// admitted requests waiting 3–11 ms instead of 29–42 ms on average under overload (the
-    /// median success 20–50 ms sooner), but clients
-    /// that honour `Retry-After` lost 12–19 % of their goodput on a whole core, the more
-    /// requests turned away at once staying away for seconds while permits went idle
-    /// (docs/benchmarks.md); suited to clients that retry at once or not at all.
+    /// timeout: a waiter whose permit is late is not turned away sooner. Default 30 ms (the
+    /// queue then holds what returns within 15 ms); `max_wait` or more, or unset, turns it off
+    /// (a standing queue may then be as long as `max_wait` allows). At 30 ms the lab measured
+    /// admitted requests waiting 5–12 ms instead of 15–29 ms on average under overload on a
+    /// whole core, their mean server-side latency 11–21 ms lower, and the same goodput (the
+    /// medians of six alternating rounds within −3 to +8 %, Retry-After clients included). At
+    /// 10 ms (a 5 ms queue) clients that honour `Retry-After` lost 12–19 % of their goodput on
+    /// a whole core: turned away at once more often, they stayed away for seconds while
+    /// permits went idle (docs/benchmarks.md).
     #[serde(with = "humantime_serde")]
     pub standing_wait: Option<Duration>,
     /// A client on HTTP/1 that comes back before its last 503's `Retry-After` (at most
@@ -478,7 +480,7 @@ impl Default for AdmissionSettings {
             mode: AdmissionMode::Adaptive,
             max_in_flight: nonzero(2000),
             max_wait: Duration::from_millis(100),
-            standing_wait: None,
+            standing_wait: Some(Duration::from_millis(30)),
             pushback: true,
             pushback_max_hold: Duration::from_secs(5),
             groups: BTreeMap::new(),
