@@ -55,8 +55,8 @@ config_env() {
     target-[0-9]*) echo "TRIBUTARY_OVERLOAD__QUEUE_DELAY_TARGET=${1#target-}ms" ;;
     # static-N: a static limit of N permits (the shipped wait), to compare with a learnt one.
     static-[0-9]*) echo "TRIBUTARY_ADMISSION__MODE=static TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=${1#static-}" ;;
-    # standing-N: a standing admission wait queue kept to what returns within N ms
-    # (admission.standing_wait; unset in the shipped defaults).
+    # standing-N: a standing admission wait queue kept to half of what returns within N ms
+    # (admission.standing_wait; 30 ms in the shipped defaults, standing-100 turns it off).
     standing-[0-9]*) echo "TRIBUTARY_ADMISSION__STANDING_WAIT=${1#standing-}ms" ;;
     # dbpool-N: the shipped defaults with N pooled database connections (max_replicas lowered so
     # that N × replicas still fits the server's connections, as start-up checks).
