@@ -36,7 +36,6 @@ use std::{
     sync::{
         Arc, Weak,
         atomic::{AtomicU64, AtomicUsize, Ordering},
-        mpsc,
     },
     task::{Context, Poll},
     time::Duration,
@@ -286,30 +285,43 @@ fn probe(handle: Handle, shared: Weak<Shared>, shutdown: CancellationToken) {
     // A probe with no answer in time: the workers are stuck in polls that do not return, and
     // their busy time is only accounted once those polls end.
     let mut window_stuck = false;
-    let (tx, rx) = mpsc::sync_channel::<(u64, Duration)>(4);
+    // The probe task writes its wait here and then its sequence number; the thread reads
+    // them when it wakes. No channel: a task that answered does not wake the thread, so each
+    // probe costs the thread one wake-up (its timer), not two.
+    let answer = Arc::new(Answer::default());
     let mut seq = 0u64;
     while !shutdown.is_cancelled() {
         seq += 1;
         let sent = std::time::Instant::now();
-        let tx = tx.clone();
         let this = seq;
-        let task = handle.spawn(async move {
-            let first_poll = sent.elapsed();
-            let polled = std::time::Instant::now();
-            BackOfTheQueue(false).await;
-            let _ = tx.try_send((this, first_poll.max(polled.elapsed())));
+        let task = handle.spawn({
+            let answer = Arc::clone(&answer);
+            async move {
+                let first_poll = sent.elapsed();
+                let polled = std::time::Instant::now();
+                BackOfTheQueue(false).await;
+                answer.set(this, first_poll.max(polled.elapsed()));
+            }
         });
+        // One look per interval: the task times its own wait, so a probe that is slow to
+        // answer is read at the next tick without losing precision.
+        let mut tick = sent;
         let sample = loop {
-            match rx.recv_timeout(WINDOW.saturating_sub(sent.elapsed())) {
-                Ok((n, sample)) if n == this => break sample,
-                // A late answer of an earlier probe.
-                Ok(_) => continue,
-                // The runtime shut down and dropped the task.
-                Err(_) if task.is_finished() => return,
-                Err(_) => {
-                    window_stuck = true;
-                    break sent.elapsed();
+            tick += PROBE_INTERVAL;
+            std::thread::sleep(tick.saturating_duration_since(std::time::Instant::now()));
+            if let Some(sample) = answer.get(this) {
+                break sample;
+            }
+            // Finished without answering: the runtime shut down and dropped the task.
+            if task.is_finished() {
+                match answer.get(this) {
+                    Some(sample) => break sample,
+                    None => return,
                 }
+            }
+            if sent.elapsed() >= WINDOW {
+                window_stuck = true;
+                break sent.elapsed();
             }
         };
         window_min = Some(window_min.map_or(sample, |m| m.min(sample)));
@@ -328,7 +340,30 @@ fn probe(handle: Handle, shared: Weak<Shared>, shutdown: CancellationToken) {
             gauge.set(if saturated { 1.0 } else { 0.0 });
             window_started = std::time::Instant::now();
         }
-        std::thread::sleep(PROBE_INTERVAL.saturating_sub(sent.elapsed()));
+    }
+}
+
+/// The last probe's answer: its sequence number, written after its wait.
+#[derive(Default)]
+struct Answer {
+    seq: AtomicU64,
+    nanos: AtomicU64,
+}
+
+impl Answer {
+    fn set(&self, seq: u64, wait: Duration) {
+        self.nanos.store(
+            u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        // Release: a reader that sees `seq` sees the wait written before it.
+        self.seq.store(seq, Ordering::Release);
+    }
+
+    /// The wait of probe `seq`, once it has answered.
+    fn get(&self, seq: u64) -> Option<Duration> {
+        (self.seq.load(Ordering::Acquire) == seq)
+            .then(|| Duration::from_nanos(self.nanos.load(Ordering::Relaxed)))
     }
 }
 
@@ -541,5 +576,52 @@ mod tests {
         shutdown.cancel();
         assert!(seen, "a held worker must show as saturation");
         assert!(q.current() > TARGET);
+    }
+
+    /// The probe thread holds the signal weakly; once it has returned, nothing does.
+    fn probe_ended(q: &QueueDelay) -> bool {
+        (0..200).any(|_| {
+            if Arc::weak_count(&q.shared) == 0 {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+            false
+        })
+    }
+
+    #[test]
+    fn the_probe_thread_ends_when_its_runtime_shuts_down() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let q = rt.block_on(async { QueueDelay::spawn(TARGET, CancellationToken::new()) });
+        std::thread::sleep(WINDOW);
+        assert_eq!(Arc::weak_count(&q.shared), 1, "the probe is running");
+        // Neither the token nor the signal goes away: only the runtime, whose shutdown drops
+        // the probe's task unanswered.
+        drop(rt);
+        assert!(
+            probe_ended(&q),
+            "the probe thread must end with its runtime"
+        );
+    }
+
+    #[test]
+    fn the_probe_thread_ends_on_shutdown() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let shutdown = CancellationToken::new();
+        let q = rt.block_on(async { QueueDelay::spawn(TARGET, shutdown.clone()) });
+        std::thread::sleep(WINDOW);
+        shutdown.cancel();
+        assert!(
+            probe_ended(&q),
+            "the probe thread must end when shutdown is cancelled"
+        );
     }
 }
