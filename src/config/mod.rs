@@ -405,8 +405,8 @@ pub enum AdmissionMode {
     Static,
     /// The limit follows the runtime's queueing delay (see `overload.queue_delay_target`):
     /// it shrinks while the gateway's own CPU is the bottleneck and grows while the queue is
-    /// short and the limit is what turns requests away. The default: it needs no per-machine
-    /// number.
+    /// short and the limit is what turns requests away or nine tenths of it are in use (a tenth
+    /// of headroom over demand). The default: it needs no per-machine number.
     Adaptive,
     /// Gradient2 (Netflix concurrency-limits): the limit follows measured request latency
     /// against its long-term baseline, between `min_limit` and `max_limit`.
