@@ -503,9 +503,9 @@ pub struct OverloadSettings {
     /// and while it holds, downstream timeouts do not count against the circuit breakers.
     #[serde(with = "types::positive_duration")]
     pub queue_delay_target: Duration,
-    /// The adaptive admission limit also treats the database pool's line as saturation: a
-    /// window in which every wait for a connection was over the target, or the waits averaged
-    /// over twice it, shrinks it. False: only the core's queue moves the limit, and requests
+    /// The adaptive admission limit also treats the database pool's line as saturation: two
+    /// 100 ms windows in a row in which every wait for a connection was over the target, or the
+    /// waits averaged over twice it, shrink it. False: only the core's queue moves the limit, and requests
     /// admitted past what the pool serves wait for it (up to their deadline) and lose their
     /// database part instead of getting a 503.
     pub follow_db_pool: bool,
