@@ -56,6 +56,8 @@ import promtext
 HERE = Path(__file__).resolve().parent
 LUA = HERE / "wrk_report.lua"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Seconds between a wrk warm-up and the measured run (see measure_once).
+SETTLE_S = 1.0
 
 
 def proc_cpu_seconds(pid: int) -> float | None:
@@ -469,6 +471,13 @@ def measure_once(args) -> tuple[dict, str]:
         loadgen.wait_measuring()
     elif args.warmup > 0:
         Wrk(args.url, args.connections, args.warmup, args.threads, args.timeout, cpus, wrk_env).wait()
+        # wrk ends its warm-up by closing every connection with a request in flight, and those
+        # requests hold the server's permits, pooled connections and downstream calls until it
+        # notices; the measured run waits until they are gone (a dashboard takes ~100 ms) rather
+        # than opening its connections on top of them. (On 2026-12-06 the pause made no
+        # measurable difference to `stack`: the 503s at the start of its windows are the adaptive
+        # limit's ramp from a fresh start, experiments/limit-headroom.)
+        time.sleep(SETTLE_S)
 
     procs = {args.server_name: [args.server_pid],
              **{k: [int(p) for p in v.split(",") if p] for k, v in parse_kv(args.proc).items()}}
