@@ -64,7 +64,10 @@ config_env() {
     # wait-N: the shipped defaults with admission.max_wait N ms (the wait queue holds half of
     # what the release rate returns within it).
     wait-[0-9]*) echo "TRIBUTARY_ADMISSION__MAX_WAIT=${1#wait-}ms" ;;
-    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, nopush, unchecked, probe, noprobe, target-N, static-N, standing-N, dbpool-N, wait-N)"; exit 2 ;;
+    # initial-N: the shipped defaults with the adaptive limit starting at N
+    # (admission.adaptive.initial_limit).
+    initial-[0-9]*) echo "TRIBUTARY_ADMISSION__ADAPTIVE__INITIAL_LIMIT=${1#initial-}" ;;
+    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, nopush, unchecked, probe, noprobe, target-N, static-N, standing-N, dbpool-N, wait-N, initial-N)"; exit 2 ;;
   esac
 }
 

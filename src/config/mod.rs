@@ -544,6 +544,12 @@ pub struct AdmissionGroupSettings {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdaptiveSettings {
+    /// Where the limit starts. Above what one core carries (the lab: ~550 dashboards in flight
+    /// on one core), so that a fresh pod finds its limit from above, by cuts of a tenth while
+    /// its core is saturated (a second or so), rather than from below while turning requests
+    /// away: started at 200 under 500 connections, the limit turned 606 requests away in its
+    /// first half second, and the clients pushback then held kept it from seeing the demand;
+    /// it took ten seconds to reach 556 (bench/results/experiments/limit-headroom).
     pub initial_limit: usize,
     pub min_limit: NonZeroUsize,
     pub max_limit: usize,
@@ -559,7 +565,7 @@ pub struct AdaptiveSettings {
 impl Default for AdaptiveSettings {
     fn default() -> Self {
         Self {
-            initial_limit: 200,
+            initial_limit: 1000,
             min_limit: nonzero(20),
             max_limit: 5000,
             tolerance: 1.5,
