@@ -583,17 +583,23 @@ mod tests {
         assert!(!q.close_window(TARGET), "the waiter left: nothing stands");
     }
 
-    /// The probe itself, on a real one-worker runtime whose worker is taken by a task that
-    /// blocks it: the probe's tasks cannot be polled, so the windows are saturated.
-    #[test]
-    fn the_probe_sees_a_worker_that_is_held() {
+    /// A real one-worker runtime with the probe started on it.
+    fn probed_runtime(shutdown: &CancellationToken) -> (tokio::runtime::Runtime, QueueDelay) {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
             .build()
             .unwrap();
-        let shutdown = CancellationToken::new();
         let q = rt.block_on(async { QueueDelay::spawn(TARGET, shutdown.clone()) });
+        (rt, q)
+    }
+
+    /// The probe itself, on a real one-worker runtime whose worker is taken by a task that
+    /// blocks it: the probe's tasks cannot be polled, so the windows are saturated.
+    #[test]
+    fn the_probe_sees_a_worker_that_is_held() {
+        let shutdown = CancellationToken::new();
+        let (rt, q) = probed_runtime(&shutdown);
         // Calm first: some windows close unsaturated.
         std::thread::sleep(WINDOW * 3);
         assert!(!q.is_saturated(), "an idle runtime is not saturated");
@@ -629,12 +635,7 @@ mod tests {
 
     #[test]
     fn the_probe_thread_ends_when_its_runtime_shuts_down() {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let q = rt.block_on(async { QueueDelay::spawn(TARGET, CancellationToken::new()) });
+        let (rt, q) = probed_runtime(&CancellationToken::new());
         std::thread::sleep(WINDOW);
         assert_eq!(Arc::weak_count(&q.shared), 1, "the probe is running");
         // Neither the token nor the signal goes away: only the runtime, whose shutdown drops
@@ -648,13 +649,8 @@ mod tests {
 
     #[test]
     fn the_probe_thread_ends_on_shutdown() {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
         let shutdown = CancellationToken::new();
-        let q = rt.block_on(async { QueueDelay::spawn(TARGET, shutdown.clone()) });
+        let (_rt, q) = probed_runtime(&shutdown);
         std::thread::sleep(WINDOW);
         shutdown.cancel();
         assert!(
