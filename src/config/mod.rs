@@ -544,12 +544,15 @@ pub struct AdmissionGroupSettings {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdaptiveSettings {
-    /// Where the limit starts. Above what one core carries (the lab: ~550 dashboards in flight
-    /// on one core), so that a fresh pod finds its limit from above, by cuts of a tenth while
-    /// its core is saturated (a second or so), rather than from below while turning requests
-    /// away: started at 200 under 500 connections, the limit turned 606 requests away in its
-    /// first half second, and the clients pushback then held kept it from seeing the demand;
-    /// it took ten seconds to reach 556 (bench/results/experiments/limit-headroom).
+    /// Where the limit starts: 200, under what one core carries (the lab: 250–550 dashboards in
+    /// flight on one core, by its speed), so a fresh pod finds its limit from below, growing by a
+    /// tenth an interval while calm. From 1000 (2026-12-06, a few hours) a fresh gateway met
+    /// its first burst with 1,000 requests admitted at once: on a core that carries ~300, the
+    /// cuts of a tenth took two to three seconds to bring the limit down, downstream calls past
+    /// their 500 ms timeout meanwhile, and in 3 of 15 fresh starts under 1,000 connections the
+    /// `users` breaker opened and the gateway served 300–800 full 200s a second for ten seconds
+    /// (`bench/run overload-curve`, AMD EPYC VM, 21:27 UTC; bench/results/experiments/limit-headroom).
+    /// Turning requests away for the first second of a pod's life is the cheaper mistake.
     pub initial_limit: usize,
     pub min_limit: NonZeroUsize,
     pub max_limit: usize,
@@ -565,7 +568,7 @@ pub struct AdaptiveSettings {
 impl Default for AdaptiveSettings {
     fn default() -> Self {
         Self {
-            initial_limit: 1000,
+            initial_limit: 200,
             min_limit: nonzero(20),
             max_limit: 5000,
             tolerance: 1.5,

@@ -139,12 +139,12 @@ fn min_above_max_and_crossed_ratios_are_reported() {
         ("TRIBUTARY_DATABASE__MIN_CONNECTIONS", "30"),
         ("TRIBUTARY_DATABASE__MAX_CONNECTIONS", "10"),
         ("TRIBUTARY_ADMISSION__READY_SHED_RATIO", "0.6"),
-        ("TRIBUTARY_ADMISSION__ADAPTIVE__MIN_LIMIT", "1500"),
+        ("TRIBUTARY_ADMISSION__ADAPTIVE__MIN_LIMIT", "300"),
     ]);
     for needle in [
         "database.min_connections (30) is greater than database.max_connections (10)",
         "admission.ready_shed_ratio must not exceed admission.unready_shed_ratio",
-        "admission.adaptive needs min_limit <= initial_limit <= max_limit, got 1500 / 1000 / 5000",
+        "admission.adaptive needs min_limit <= initial_limit <= max_limit, got 300 / 200 / 5000",
     ] {
         assert!(err.contains(needle), "missing {needle:?} in {err}");
     }
