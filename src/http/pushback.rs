@@ -33,6 +33,10 @@
 //! carried that pause in its latency (in an open-loop load, any request the client happened to
 //! send on such a connection). Now the pause is paid only by a request that is rejected anyway.
 //!
+//! The edge ([`super::edge`]) applies it to its own 503s and to a 503 with `Retry-After` from
+//! beneath it (a required part's open circuit), which a client that retries at once would
+//! otherwise turn into a storm while the circuit is open.
+//!
 //! Only writes are held, and only while a held 503 is being written; HTTP/2 connections are not
 //! held (one connection carries many clients' streams and its control frames), and an L7 proxy
 //! in front multiplexes clients onto connections the same way: turn `admission.pushback` off

@@ -295,3 +295,38 @@ async fn a_client_that_retries_at_once_is_decided_at_once_and_answered_after_its
     // Other connections are not held: health answers at once meanwhile.
     assert_eq!(app.get("/healthz").await.status(), 200);
 }
+
+#[tokio::test]
+async fn a_client_that_retries_at_once_into_an_open_circuit_is_held_as_well() {
+    let app = spawn_app_with(|s| {
+        s.circuit_breaker.min_calls = 4;
+        s.circuit_breaker.open_for = Duration::from_secs(60);
+        s.admission.pushback_max_hold = Duration::from_secs(1);
+    })
+    .await;
+    // The required part fails until its circuit opens: from then on every dashboard is a 503
+    // with Retry-After from beneath the edge, admitted but answered without a downstream call.
+    app.set_service(Service::Users, |b| b.error_rate = 1.0);
+    let users = app.state.downstreams.get(Service::Users);
+    let opened = eventually(Duration::from_secs(10), || async {
+        app.dashboard(1).await;
+        users.breaker_state() == State::Open
+    })
+    .await;
+    assert!(opened, "the users circuit never opened");
+
+    let mut stream = TcpStream::connect(app.addr).await.unwrap();
+    let sent = Instant::now();
+    assert_eq!(exchange(&mut stream, "/api/v1/dashboard/2").await, 503);
+    let first = sent.elapsed();
+    // Back at once on the same connection: the circuit is still open, and this 503 waits for
+    // the first one's stay-away (the max hold, 1 s, under the circuit's 5 s Retry-After).
+    assert_eq!(exchange(&mut stream, "/api/v1/dashboard/3").await, 503);
+    let second = sent.elapsed();
+    assert!(
+        second >= Duration::from_millis(900),
+        "held: the first 503 after {first:?}, the second after {second:?}"
+    );
+    // Other connections are not held: health answers at once meanwhile.
+    assert_eq!(app.get("/healthz").await.status(), 200);
+}
