@@ -8,8 +8,8 @@
 //! tell a slow dependency from a saturated core. Queueing delay is the signal that separates
 //! them; it is what Breakwater and Envoy's overload manager use.
 //!
-//! [`QueueDelay`] measures it with a probe: every 2 ms a plain OS thread (outside the runtime, so
-//! a stuck runtime cannot stop it) spawns a tiny task and times how long the task waits to be
+//! [`QueueDelay`] measures it with a probe: every 2 ms (every 25 ms while the workers are mostly
+//! idle) a plain OS thread (outside the runtime, so a stuck runtime cannot stop it) spawns a tiny task and times how long the task waits to be
 //! polled, then how long it waits once more after waking itself (which puts it at the back of
 //! its worker's local queue, behind the requests already there). A probe that gets no answer
 //! within a window counts as one that waited the whole window.
@@ -49,6 +49,15 @@ use crate::telemetry::Family;
 
 /// How often the probe measures.
 const PROBE_INTERVAL: Duration = Duration::from_millis(2);
+/// How often it measures while the workers were mostly idle since its last probe: an idle
+/// gateway has no queue to measure, and probing it every 2 ms woke the probe thread and a
+/// worker 500 times a second each (an idle gateway used 2.7 % of a core, 1,100 context switches
+/// a second). Load that arrives is seen at the next sparse probe, and from then on it probes
+/// every [`PROBE_INTERVAL`] again; a window is judged on the probes it has.
+const IDLE_PROBE_INTERVAL: Duration = Duration::from_millis(25);
+/// Below this share of busy worker time since the last probe, the next one waits
+/// [`IDLE_PROBE_INTERVAL`]. Far under [`BUSY_FLOOR`]: a runtime this idle has no standing queue.
+const IDLE_BUSY: f64 = 0.25;
 /// The window over which the minimum delay is taken (CoDel's interval).
 pub(crate) const WINDOW: Duration = Duration::from_millis(100);
 /// Below this share of busy worker time a window is never saturated.
@@ -77,6 +86,8 @@ struct Shared {
     saturated_until_nanos: AtomicU64,
     /// End of the last window, saturated or not.
     last_window_nanos: AtomicU64,
+    /// Probes sent so far (for tests and debugging: how often the probe wakes).
+    probes: AtomicU64,
 }
 
 impl Shared {
@@ -118,6 +129,7 @@ impl QueueDelay {
                 current_nanos: AtomicU64::new(0),
                 saturated_until_nanos: AtomicU64::new(0),
                 last_window_nanos: AtomicU64::new(0),
+                probes: AtomicU64::new(0),
             }),
         }
     }
@@ -291,6 +303,9 @@ fn probe(handle: Handle, shared: Weak<Shared>, shutdown: CancellationToken) {
     let histogram: Histogram = metrics::histogram!(QUEUE_DELAY.name);
     let gauge: Gauge = metrics::gauge!(SATURATED.name);
     let mut busy = Busy::new(&handle);
+    // The workers' busy share since the last probe, which sets the next probe's interval.
+    let mut since_probe = Busy::new(&handle);
+    let mut interval = PROBE_INTERVAL;
     let mut window_started = std::time::Instant::now();
     let mut window_min: Option<Duration> = None;
     // A probe with no answer in time: the workers are stuck in polls that do not return, and
@@ -303,6 +318,9 @@ fn probe(handle: Handle, shared: Weak<Shared>, shutdown: CancellationToken) {
     let mut seq = 0u64;
     while !shutdown.is_cancelled() {
         seq += 1;
+        if let Some(shared) = shared.upgrade() {
+            shared.probes.fetch_add(1, Ordering::Relaxed);
+        }
         let sent = std::time::Instant::now();
         let this = seq;
         let task = handle.spawn({
@@ -318,7 +336,7 @@ fn probe(handle: Handle, shared: Weak<Shared>, shutdown: CancellationToken) {
         // answer is read at the next tick without losing precision.
         let mut tick = sent;
         let sample = loop {
-            tick += PROBE_INTERVAL;
+            tick += interval;
             std::thread::sleep(tick.saturating_duration_since(std::time::Instant::now()));
             if let Some(sample) = answer.get(this) {
                 break sample;
@@ -334,6 +352,11 @@ fn probe(handle: Handle, shared: Weak<Shared>, shutdown: CancellationToken) {
                 window_stuck = true;
                 break sent.elapsed();
             }
+        };
+        interval = if since_probe.ratio(&handle) < IDLE_BUSY {
+            IDLE_PROBE_INTERVAL
+        } else {
+            PROBE_INTERVAL
         };
         window_min = Some(window_min.map_or(sample, |m| m.min(sample)));
         if window_started.elapsed() >= WINDOW {
@@ -620,6 +643,25 @@ mod tests {
         shutdown.cancel();
         assert!(seen, "a held worker must show as saturation");
         assert!(q.current() > TARGET);
+    }
+
+    /// An idle runtime is probed every 25 ms, not every 2 ms: over 600 ms at most 24 or so
+    /// probes (300 at the busy rate). A slow machine only makes fewer.
+    #[test]
+    fn an_idle_runtime_is_probed_sparsely() {
+        let shutdown = CancellationToken::new();
+        let (_rt, q) = probed_runtime(&shutdown);
+        // The first probes run at the busy rate until one finds the workers idle.
+        std::thread::sleep(WINDOW);
+        let before = q.shared.probes.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(600));
+        let probes = q.shared.probes.load(Ordering::Relaxed) - before;
+        shutdown.cancel();
+        assert!(probes >= 1, "the probe must keep running while idle");
+        assert!(
+            probes <= 60,
+            "{probes} probes in 600 ms of an idle runtime: it probes at the busy rate"
+        );
     }
 
     /// The probe thread holds the signal weakly; once it has returned, nothing does.
