@@ -146,7 +146,7 @@ where
         let limiter: Arc<Limiter> = admission.limiter(group);
         match limiter.try_admit() {
             Decision::Admitted(permit) => EdgeFuture::Admitted {
-                pushback: connection_pushback(edge, &request),
+                pushback: connection_pushback(edge, &request).cloned(),
                 inner: self.inner.call(request),
                 permit: Some(permit),
             },
@@ -228,11 +228,16 @@ where
 
 /// The connection's pushback, when the edge applies it to this request (HTTP/1 only: an
 /// HTTP/2 connection carries many clients' streams).
-fn connection_pushback(edge: &Edge, request: &Request) -> Option<Arc<Pushback>> {
+fn connection_pushback<'r>(edge: &Edge, request: &'r Request) -> Option<&'r Arc<Pushback>> {
     if !edge.pushback || request.version() > Version::HTTP_11 {
         return None;
     }
-    request.extensions().get::<Arc<Pushback>>().cloned()
+    request.extensions().get::<Arc<Pushback>>()
+}
+
+/// `Retry-After` in whole seconds, never 0 (which invites an instant retry storm).
+fn retry_after_secs(after: std::time::Duration) -> HeaderValue {
+    HeaderValue::from(after.as_secs_f64().ceil().max(1.0) as u64)
 }
 
 /// A 503 with `Retry-After` from beneath the edge (the required part's circuit is open, or its
@@ -257,10 +262,9 @@ fn push_back(response: &mut ApiResponse, pushback: &Pushback) {
     let retry_after = std::time::Duration::from_secs(secs);
     let stay_away = pushback.rejected(retry_after).stay_away;
     if stay_away > retry_after {
-        let secs = stay_away.as_secs_f64().ceil() as u64;
         response
             .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            .insert(header::RETRY_AFTER, retry_after_secs(stay_away));
     }
 }
 
@@ -278,7 +282,7 @@ where
 {
     match limiter.wait().await {
         Ok(permit) => {
-            let pushback = connection_pushback(edge, &request);
+            let pushback = connection_pushback(edge, &request).cloned();
             held(permit, pushback, inner.oneshot(request)).await
         }
         Err(rejected) => shed(edge, route, &request, rejected, arrived),
@@ -342,7 +346,7 @@ where
     let limiter: Arc<Limiter> = admission.limiter(group);
     match limiter.try_admit() {
         Decision::Admitted(permit) => {
-            let pushback = connection_pushback(edge, &request);
+            let pushback = connection_pushback(edge, &request).cloned();
             held(permit, pushback, inner.oneshot(request)).await
         }
         Decision::Rejected(rejected) => shed(edge, route, &request, rejected, arrived),
@@ -360,19 +364,15 @@ fn shed(
     arrived: Instant,
 ) -> axum::response::Response {
     let mut retry_after = rejected.retry_after;
-    if edge.pushback
-        && request.version() <= Version::HTTP_11
-        && let Some(pushback) = request.extensions().get::<Arc<Pushback>>()
-    {
+    if let Some(pushback) = connection_pushback(edge, request) {
         // A client back early is asked to stay away longer each time (the pushback's doubling).
         retry_after = retry_after.max(pushback.rejected(retry_after).stay_away);
     }
-    let secs = retry_after.as_secs_f64().ceil().max(1.0) as u64;
     let mut response = Response::new(Body::from(SHED_BODY));
     *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-    headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    headers.insert(header::RETRY_AFTER, retry_after_secs(retry_after));
     stamp(&mut response, request);
     edge.telemetry
         .record_request(route, request.method(), 503, arrived.elapsed());
