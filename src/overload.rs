@@ -10,9 +10,10 @@
 //!
 //! [`QueueDelay`] measures it with a probe: every 2 ms (every 25 ms while the workers are mostly
 //! idle) a plain OS thread (outside the runtime, so a stuck runtime cannot stop it) spawns a
-//! tiny task and times how long the task waits to be polled, then how long it waits once more after waking itself (which puts it at the back of
-//! its worker's local queue, behind the requests already there). A probe that gets no answer
-//! within a window counts as one that waited the whole window.
+//! tiny task and times how long the task waits to be polled, then how long it waits once more
+//! after waking itself (which puts it at the back of its worker's local queue, behind the
+//! requests already there). A probe that gets no answer within a window counts as one that
+//! waited the whole window.
 //!
 //! Like CoDel, the decision uses the *minimum* delay over a window of 100 ms: a burst that
 //! drains quickly leaves some probe with a short wait, while a standing queue delays them all.
@@ -52,8 +53,8 @@ const PROBE_INTERVAL: Duration = Duration::from_millis(2);
 /// How often it measures while the workers were mostly idle since its last probe: an idle
 /// gateway has no queue to measure, and probing it every 2 ms woke the probe thread and a
 /// worker 500 times a second each (an idle gateway used 2.4–3.0 % of a core, 1,041–1,150
-/// context switches a second). Load that arrives is seen at the next sparse probe, and from then on it probes
-/// every [`PROBE_INTERVAL`] again; a window is judged on the probes it has.
+/// context switches a second). Load that arrives is seen at the next sparse probe, and from
+/// then on it probes every [`PROBE_INTERVAL`] again; a window is judged on the probes it has.
 const IDLE_PROBE_INTERVAL: Duration = Duration::from_millis(25);
 /// Below this share of busy worker time since the last probe, the next one waits
 /// [`IDLE_PROBE_INTERVAL`]. Far under [`BUSY_FLOOR`]: a runtime this idle has no standing queue.
@@ -86,7 +87,8 @@ struct Shared {
     saturated_until_nanos: AtomicU64,
     /// End of the last window, saturated or not.
     last_window_nanos: AtomicU64,
-    /// Probes sent so far (for tests and debugging: how often the probe wakes).
+    /// Probes sent up to the last window's end (for tests and debugging: how often the probe
+    /// wakes).
     probes: AtomicU64,
 }
 
@@ -318,9 +320,6 @@ fn probe(handle: Handle, shared: Weak<Shared>, shutdown: CancellationToken) {
     let mut seq = 0u64;
     while !shutdown.is_cancelled() {
         seq += 1;
-        if let Some(shared) = shared.upgrade() {
-            shared.probes.fetch_add(1, Ordering::Relaxed);
-        }
         let sent = std::time::Instant::now();
         let this = seq;
         let task = handle.spawn({
@@ -363,6 +362,7 @@ fn probe(handle: Handle, shared: Weak<Shared>, shutdown: CancellationToken) {
             let Some(shared) = shared.upgrade() else {
                 return;
             };
+            shared.probes.store(seq, Ordering::Relaxed);
             let min = window_min.take().unwrap_or_default();
             let busy = if std::mem::take(&mut window_stuck) {
                 busy.ratio(&handle).max(1.0)
