@@ -51,6 +51,8 @@ config_env() {
     # probe: while the core's queue is left out (a cut did not shorten it), grow the limit.
     probe) echo "TRIBUTARY_OVERLOAD__PROBE_PAST_CORE=true" ;;
     noprobe) echo "TRIBUTARY_OVERLOAD__PROBE_PAST_CORE=false" ;;
+    # settle: after a cut the limit holds for a permit-hold time before it grows back.
+    settle) echo "TRIBUTARY_OVERLOAD__SETTLE_AFTER_CUT=true" ;;
     # target-N: the shipped defaults with an N ms queueing-delay target.
     target-[0-9]*) echo "TRIBUTARY_OVERLOAD__QUEUE_DELAY_TARGET=${1#target-}ms" ;;
     # static-N: a static limit of N permits (the shipped wait), to compare with a learnt one.
@@ -67,7 +69,7 @@ config_env() {
     # initial-N: the shipped defaults with the adaptive limit starting at N
     # (admission.adaptive.initial_limit).
     initial-[0-9]*) echo "TRIBUTARY_ADMISSION__ADAPTIVE__INITIAL_LIMIT=${1#initial-}" ;;
-    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, nopush, unchecked, probe, noprobe, target-N, static-N, standing-N, dbpool-N, wait-N, initial-N)"; exit 2 ;;
+    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, nopush, unchecked, probe, noprobe, settle, target-N, static-N, standing-N, dbpool-N, wait-N, initial-N)"; exit 2 ;;
   esac
 }
 

@@ -75,6 +75,8 @@ pub(crate) struct QueueDelayLimit {
     trial: Option<Trial>,
     /// Until then the core's queue does not move the limit (its last cut did not shorten it).
     ignore_core_until: Option<Instant>,
+    /// `overload.settle_after_cut`: no growth until a cut has had one hold time to show.
+    settle: bool,
 }
 
 /// How a [`QueueDelayLimit`] treats cuts made for the core's queue alone
@@ -158,7 +160,25 @@ impl QueueDelayLimit {
             core_cuts,
             trial: None,
             ignore_core_until: None,
+            settle: false,
         }
+    }
+
+    /// `overload.settle_after_cut`: after a cut the limit holds (does not grow back) until one
+    /// smoothed permit-hold time has passed, so that the requests admitted before the cut have
+    /// left and the cut's effect on the line that called for it is seen. Without it, the limit
+    /// grows back by √limit an interval from the interval after the cut, and a line that stands
+    /// in some windows and not in others meets as much growth as cutting.
+    pub(crate) fn settling_after_cuts(mut self, settle: bool) -> Self {
+        self.settle = settle;
+        self
+    }
+
+    /// How far apart cuts are: one smoothed permit-hold time, at least [`Self::MIN_DECREASE_GAP`].
+    fn gap(&self) -> Duration {
+        self.hold
+            .unwrap_or(Self::DEFAULT_HOLD)
+            .max(Self::MIN_DECREASE_GAP)
     }
 
     pub(crate) fn limit(&self) -> usize {
@@ -182,11 +202,9 @@ impl QueueDelayLimit {
         }
         let ignoring_core = self.ignore_core_until.is_some_and(|t| now < t);
         let core = seen.core && !ignoring_core;
+        let since_cut = self.last_decrease.map(|t| now.saturating_duration_since(t));
         if core || seen.inner {
-            let gap = self
-                .hold
-                .unwrap_or(Self::DEFAULT_HOLD)
-                .max(Self::MIN_DECREASE_GAP);
+            let gap = self.gap();
             let due = self
                 .last_decrease
                 .is_none_or(|t| now.saturating_duration_since(t) >= gap);
@@ -220,10 +238,10 @@ impl QueueDelayLimit {
                 let per_interval = super::CONTROL_INTERVAL.as_secs_f64();
                 self.limit = (self.limit + self.limit.sqrt() * per_interval).min(self.max);
             }
+        } else if self.settle && since_cut.is_some_and(|d| d < self.gap()) {
+            // The last cut has not had a hold time to show yet: hold.
         } else if seen.limited || seen.peak_in_flight as f64 >= self.limit * Self::NEARLY_FULL {
-            let near_knee = self
-                .last_decrease
-                .is_some_and(|t| now.saturating_duration_since(t) < Self::NEAR_KNEE_FOR);
+            let near_knee = since_cut.is_some_and(|d| d < Self::NEAR_KNEE_FOR);
             // A cut in the last few seconds found the knee: come back to it by √limit an
             // interval, not by a tenth, so that the overshoot past it (and the line the
             // overshoot stands in) is smaller. √limit a second was tried and kept the limit
@@ -407,6 +425,51 @@ mod tests {
                 lo >= 120 && hi <= 180,
                 "{cuts:?}: should follow to around 150, got {lo}..{hi}"
             );
+        }
+    }
+
+    #[test]
+    fn settling_holds_the_limit_for_a_hold_time_after_a_cut() {
+        let limited_calm = Interval {
+            core: false,
+            inner: false,
+            delay: Duration::from_micros(200),
+            peak_in_flight: 100,
+            limited: true,
+        };
+        let pool_line = Interval {
+            inner: true,
+            ..limited_calm
+        };
+        for settle in [false, true] {
+            let mut l = QueueDelayLimit::new(&settings(), TARGET, CoreCuts::Checked)
+                .settling_after_cuts(settle);
+            l.sample(Duration::from_millis(300));
+            let mut now = Instant::now();
+            assert_eq!(l.update(now, pool_line), Step::Cut(90));
+            // The next interval is calm and the limit full: without settling it grows back
+            // at once; settling, it holds until the 300 ms hold time has passed.
+            now += TICK;
+            let next = l.update(now, limited_calm);
+            now += TICK;
+            let after = l.update(now, limited_calm);
+            if settle {
+                assert_eq!(
+                    (next, after),
+                    (Step::Held, Step::Held),
+                    "within the hold time"
+                );
+                now += TICK;
+                assert!(
+                    matches!(l.update(now, limited_calm), Step::Grew(_)),
+                    "a hold time after the cut it grows again"
+                );
+            } else {
+                assert!(
+                    matches!(next, Step::Grew(_)),
+                    "grows back at once: {next:?}"
+                );
+            }
         }
     }
 

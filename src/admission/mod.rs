@@ -118,16 +118,17 @@ impl Admission {
             let (limit, max_wait) = settings.admission_for(group);
             let controller = match settings.admission.mode {
                 AdmissionMode::Static => Controller::Static(limit.get()),
-                AdmissionMode::Adaptive => {
-                    Controller::QueueDelay(Mutex::new(QueueDelayLimit::new(
+                AdmissionMode::Adaptive => Controller::QueueDelay(Mutex::new(
+                    QueueDelayLimit::new(
                         &settings.admission.adaptive,
                         queue_delay.target(),
                         CoreCuts::of(
                             settings.overload.check_core_cuts,
                             settings.overload.probe_past_core,
                         ),
-                    )))
-                }
+                    )
+                    .settling_after_cuts(settings.overload.settle_after_cut),
+                )),
                 AdmissionMode::Gradient2 => {
                     Controller::Gradient2(Mutex::new(Gradient2::new(&settings.admission.adaptive)))
                 }

@@ -520,6 +520,10 @@ pub struct OverloadSettings {
     /// makes look useful are kept and nothing raises the limit again while rejections keep the
     /// core's queue over the target. Needs `check_core_cuts`: config load rejects it without.
     pub probe_past_core: bool,
+    /// After a cut, the adaptive limit does not grow back until one permit-hold time has
+    /// passed (the cut's effect on the line that called for it is then seen). False: it grows
+    /// back by √limit an interval from the next interval on.
+    pub settle_after_cut: bool,
 }
 
 impl Default for OverloadSettings {
@@ -529,6 +533,7 @@ impl Default for OverloadSettings {
             follow_db_pool: true,
             check_core_cuts: true,
             probe_past_core: false,
+            settle_after_cut: false,
         }
     }
 }
