@@ -204,10 +204,7 @@ impl QueueDelayLimit {
         let core = seen.core && !ignoring_core;
         let since_cut = self.last_decrease.map(|t| now.saturating_duration_since(t));
         if core || seen.inner {
-            let gap = self.gap();
-            let due = self
-                .last_decrease
-                .is_none_or(|t| now.saturating_duration_since(t) >= gap);
+            let due = since_cut.is_none_or(|d| d >= self.gap());
             if due && seen.peak_in_flight as f64 >= self.limit * 0.5 {
                 match self.trial.take() {
                     // The last cut was for the core's queue alone and it is still all that
