@@ -36,7 +36,7 @@ use std::{
     time::Duration,
 };
 
-use http::{HeaderMap, HeaderName, HeaderValue};
+use http::{HeaderName, HeaderValue};
 use metrics::{Counter, Gauge, Histogram};
 use rand::Rng;
 use serde_json::value::RawValue;
@@ -59,7 +59,7 @@ use crate::{
 use breaker::Breaker;
 use cache::{Directives, PartCache, Source};
 pub(crate) use transport::Client;
-use transport::{Target, Transport};
+use transport::Transport;
 use window::Window;
 
 /// Header naming the variant a call was routed to (`stable` for the downstream's own
@@ -536,7 +536,15 @@ impl Downstream {
             outcome = tracing::field::Empty,
         );
         let started = Instant::now();
-        let result = self.call(user_id, &span).instrument(span.clone()).await;
+        // Without span export the call span is disabled, and instrumenting with it would only
+        // move the call's future (some 1.9 KB) into a wrapper whose every poll enters nothing.
+        let result = if span.is_disabled() {
+            self.call(user_id, &span, started).await
+        } else {
+            self.call(user_id, &span, started)
+                .instrument(span.clone())
+                .await
+        };
         let outcome = match &result {
             Ok(_) => Outcome::Ok,
             Err(e) => e.outcome(),
@@ -550,9 +558,14 @@ impl Downstream {
         result
     }
 
-    async fn call(&self, user_id: i64, span: &Span) -> Result<Fetched, CallError> {
+    /// `started` is when the caller started timing the call: one clock read for both.
+    async fn call(
+        &self,
+        user_id: i64,
+        span: &Span,
+        started: Instant,
+    ) -> Result<Fetched, CallError> {
         let service = self.service;
-        let started = Instant::now();
         // A ticket rather than a bare admission: if this future is dropped mid-call, the
         // ticket still gives a half-open probe slot back (see `breaker::Ticket`).
         let Some(ticket) = self.breaker.ticket() else {
@@ -565,15 +578,14 @@ impl Downstream {
         };
         let _in_flight = InFlight::new(&self.metrics.in_flight, permit);
         self.retry_budget.deposit();
-        let target = self.transport.target(user_id);
         let mut attempt = 0;
         let result = loop {
             let result = match self.hedge_after {
                 // Boxed: a hedge holds two exchanges at once (2.7 KB), and inline it would more
                 // than double every call's future, and so every dashboard's, which holds five
                 // calls, though hedging is off unless configured.
-                Some(after) => Box::pin(self.hedged(&target, after, span)).await,
-                None => self.attempt(&target, span).await,
+                Some(after) => Box::pin(self.hedged(user_id, after, span)).await,
+                None => self.attempt(user_id, span).await,
             };
             match result {
                 // No retry while the gateway's own CPU is short: it would only add load there.
@@ -632,11 +644,11 @@ impl Downstream {
     /// the loser is cancelled by being dropped.
     async fn hedged(
         &self,
-        target: &Target,
+        user_id: i64,
         after: Duration,
         span: &Span,
     ) -> Result<Fetched, CallError> {
-        let first = self.attempt(target, span);
+        let first = self.attempt(user_id, span);
         tokio::pin!(first);
         tokio::select! {
             r = &mut first => return r,
@@ -649,7 +661,7 @@ impl Downstream {
             return first.await;
         }
         self.metrics.hedges.increment(1);
-        let second = self.attempt(target, span);
+        let second = self.attempt(user_id, span);
         tokio::pin!(second);
         tokio::select! {
             r = &mut first => match r {
@@ -665,17 +677,17 @@ impl Downstream {
 
     /// One HTTP exchange bounded by min(call timeout, remaining budget); the status goes on
     /// `span`, the call's (a no-op when call spans are not exported).
-    async fn attempt(&self, target: &Target, span: &Span) -> Result<Fetched, CallError> {
+    async fn attempt(&self, user_id: i64, span: &Span) -> Result<Fetched, CallError> {
         let service = self.service;
-        let budget = remaining();
+        // One clock read for the budget, the timer and the timeout's cause.
+        let started = Instant::now();
+        let budget = crate::context::deadline().saturating_duration_since(started);
         if budget < MIN_CALL_BUDGET {
             return Err(CallError::BudgetExhausted { service });
         }
         let timeout = self.timeout.min(budget);
         let fair = self.timeout.min(self.request_deadline);
-        let started = Instant::now();
-        // Room for every header a call sends, the transport's own three included.
-        let mut headers = HeaderMap::with_capacity(9);
+        let mut headers = self.transport.headers();
         headers.insert(BUDGET_HEADER, budget_value(timeout.as_millis() as u64));
         let ctx = crate::context::current();
         if let Some(id) = ctx.as_ref().and_then(|c| c.request_id_header()) {
@@ -692,6 +704,7 @@ impl Downstream {
             headers.insert(VARIANT_HEADER, self.variant_header.clone());
         }
         let exchange = async {
+            let target = self.transport.target(user_id);
             let response = self.transport.send(service, target, headers).await?;
             let status = response.status();
             // An i64: OpenTelemetry has no unsigned integers, and a u64 is exported as a string.
@@ -723,7 +736,7 @@ impl Downstream {
             })?;
             Ok(Fetched { body, directives })
         };
-        match tokio::time::timeout(timeout, exchange).await {
+        match tokio::time::timeout_at(started + timeout, exchange).await {
             Ok(result) => result,
             Err(_) => Err(CallError::Timeout {
                 service,
@@ -906,11 +919,10 @@ mod tests {
             )
             .unwrap();
             let span = Span::none();
-            let target = downstream.transport.target(1);
-            let exchange = std::mem::size_of_val(&downstream.attempt(&target, &span));
+            let exchange = std::mem::size_of_val(&downstream.attempt(1, &span));
             let hedge =
-                std::mem::size_of_val(&downstream.hedged(&target, Duration::from_millis(1), &span));
-            let call = std::mem::size_of_val(&downstream.call(1, &span));
+                std::mem::size_of_val(&downstream.hedged(1, Duration::from_millis(1), &span));
+            let call = std::mem::size_of_val(&downstream.call(1, &span, Instant::now()));
             assert!(
                 hedge >= 2 * exchange,
                 "{transport:?}: a hedge holds two exchanges"

@@ -80,7 +80,11 @@ fn valid_request_id(v: &HeaderValue) -> Option<&str> {
 pub(super) fn request_id_or_new(headers: &HeaderMap) -> Arc<str> {
     match headers.get(REQUEST_ID_HEADER).and_then(valid_request_id) {
         Some(id) => id.into(),
-        None => uuid::Uuid::new_v4().simple().to_string().into(),
+        None => {
+            // Encoded into a buffer: `to_string` would go through `fmt`.
+            let mut text = [0u8; uuid::fmt::Simple::LENGTH];
+            (&*uuid::Uuid::new_v4().simple().encode_lower(&mut text)).into()
+        }
     }
 }
 
@@ -241,11 +245,13 @@ pub fn request_span(
         otel.name = tracing::field::Empty,
         otel.kind = "server",
         otel.status_code = tracing::field::Empty,
-        http.request.method = %method,
-        http.route = %route,
-        url.path = %path,
+        // Strings as strings, not `%` (Display): the log layer would format each through
+        // `fmt::Write` into a new `String`, the same text at several times the instructions.
+        http.request.method = method.as_str(),
+        http.route = route,
+        url.path = path,
         http.response.status_code = tracing::field::Empty,
-        request_id = %request_id,
+        request_id = request_id,
         trace_id = local_trace.map(|t| t.trace_id.as_str()),
         span_id = local_trace.map(|t| t.span_id.as_str()),
         user_id = tracing::field::Empty,
