@@ -13,6 +13,7 @@
 //! context, nothing that records. The modules that record metrics declare their families
 //! themselves, and the application hands the catalogue to `Telemetry::new`.
 
+mod json_lines;
 mod log_sink;
 pub(crate) mod logs;
 pub(crate) mod metrics;
