@@ -41,6 +41,17 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, Vec<u8>> {
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Appends a whole line, or drops and counts it if the buffer cannot take it.
+    fn append(&self, line: &[u8]) {
+        let mut pending = self.lock();
+        if pending.len() + line.len() > self.capacity {
+            drop(pending);
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        } else {
+            pending.extend_from_slice(line);
+        }
+    }
 }
 
 /// The `MakeWriter` handed to the log layer. Cheap to clone.
@@ -144,7 +155,13 @@ pub(super) struct Line<'a> {
 
 impl Write for Line<'_> {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
-        self.buf.extend_from_slice(data);
+        if self.buf.is_empty() && data.ends_with(b"\n") {
+            // A whole line in one write (the JSON layer writes each line so): appended as it
+            // is, with no copy into a buffer of its own first.
+            self.shared.append(data);
+        } else {
+            self.buf.extend_from_slice(data);
+        }
         Ok(data.len())
     }
 
@@ -155,15 +172,8 @@ impl Write for Line<'_> {
 
 impl Drop for Line<'_> {
     fn drop(&mut self) {
-        if self.buf.is_empty() {
-            return;
-        }
-        let mut pending = self.shared.lock();
-        if pending.len() + self.buf.len() > self.shared.capacity {
-            drop(pending);
-            self.shared.dropped.fetch_add(1, Ordering::Relaxed);
-        } else {
-            pending.extend_from_slice(&self.buf);
+        if !self.buf.is_empty() {
+            self.shared.append(&self.buf);
         }
     }
 }
@@ -172,9 +182,10 @@ impl<'a> MakeWriter<'a> for LogSink {
     type Writer = Line<'a>;
 
     fn make_writer(&'a self) -> Self::Writer {
+        // Empty until a line comes in pieces: a whole line in one write never needs it.
         Line {
             shared: &self.0,
-            buf: Vec::with_capacity(512),
+            buf: Vec::new(),
         }
     }
 }
@@ -245,6 +256,37 @@ mod tests {
             }
         }
         assert_eq!(sink.dropped_lines(), 0);
+    }
+
+    #[test]
+    fn a_line_in_one_write_is_appended_whole_and_counted_when_it_does_not_fit() {
+        let (release, gate) = mpsc::channel();
+        let out = Output::default();
+        *out.gate.lock().unwrap() = Some(gate);
+        let (sink, guard) = LogSink::spawn(out.clone(), 100).unwrap();
+        // Stall the output on a first line, so that the ones after it wait in the buffer.
+        sink.make_writer().write_all(b"first\n").unwrap();
+        std::thread::sleep(FLUSH_EVERY * 3);
+        for i in 0..3 {
+            // 40 bytes each: two fit in 100, the third is dropped whole.
+            sink.make_writer()
+                .write_all(format!("whole line {i} {}\n", "z".repeat(26)).as_bytes())
+                .unwrap();
+        }
+        // A line in pieces after a whole one on the same writer is still one line.
+        let mut w = sink.make_writer();
+        w.write_all(b"part").unwrap();
+        w.write_all(b"s\n").unwrap();
+        drop(w);
+        drop(release);
+        drop(guard);
+        let written = String::from_utf8(out.written.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = written.lines().collect();
+        assert_eq!(lines.len(), 4, "{written}");
+        assert_eq!(lines[0], "first");
+        assert!(lines[1].starts_with("whole line 0 ") && lines[2].starts_with("whole line 1 "));
+        assert_eq!(lines[3], "parts");
+        assert_eq!(sink.dropped_lines(), 1);
     }
 
     #[test]
