@@ -175,6 +175,15 @@ impl Members<'_> {
     }
 }
 
+impl Members<'_> {
+    /// An integer field as a JSON number.
+    fn integer(&mut self, field: &Field, value: impl itoa::Integer) {
+        self.member(field, |out| {
+            out.extend_from_slice(itoa::Buffer::new().format(value).as_bytes());
+        });
+    }
+}
+
 impl Visit for Members<'_> {
     fn record_str(&mut self, field: &Field, value: &str) {
         self.member(field, |out| string(out, value));
@@ -190,27 +199,19 @@ impl Visit for Members<'_> {
     }
 
     fn record_i64(&mut self, field: &Field, value: i64) {
-        self.member(field, |out| {
-            out.extend_from_slice(itoa::Buffer::new().format(value).as_bytes());
-        });
+        self.integer(field, value);
     }
 
     fn record_u64(&mut self, field: &Field, value: u64) {
-        self.member(field, |out| {
-            out.extend_from_slice(itoa::Buffer::new().format(value).as_bytes());
-        });
+        self.integer(field, value);
     }
 
     fn record_i128(&mut self, field: &Field, value: i128) {
-        self.member(field, |out| {
-            out.extend_from_slice(itoa::Buffer::new().format(value).as_bytes());
-        });
+        self.integer(field, value);
     }
 
     fn record_u128(&mut self, field: &Field, value: u128) {
-        self.member(field, |out| {
-            out.extend_from_slice(itoa::Buffer::new().format(value).as_bytes());
-        });
+        self.integer(field, value);
     }
 
     fn record_f64(&mut self, field: &Field, value: f64) {
