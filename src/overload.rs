@@ -214,6 +214,10 @@ struct QueueShared {
     waiting_at_close: AtomicUsize,
     /// The last window's own verdict: a queue stands only when two windows in a row did.
     stood_last: AtomicBool,
+    /// Servers of the queue being added right now (connections being opened), and whether
+    /// one was added, or failed to be, since the last close (see [`StandingQueue::growing`]).
+    growing: AtomicUsize,
+    grew: AtomicBool,
     /// 1 while standing.
     standing: Gauge,
     /// How many wait right now.
@@ -234,6 +238,8 @@ impl StandingQueue {
                 waiting: AtomicUsize::new(0),
                 waiting_at_close: AtomicUsize::new(0),
                 stood_last: AtomicBool::new(false),
+                growing: AtomicUsize::new(0),
+                grew: AtomicBool::new(false),
                 standing,
                 length,
             }),
@@ -246,6 +252,20 @@ impl StandingQueue {
         let n = self.shared.waiting.fetch_add(1, Ordering::Relaxed) + 1;
         self.shared.length.set(n as f64);
         Waiting(&self.shared)
+    }
+
+    /// Marks a server of the queue being added (a connection being opened) until the guard is
+    /// dropped. A window in which the queue was growing does not stand, and neither does the
+    /// next, whatever its waits: a line that forms while connections are still being opened
+    /// (a fresh pod's first burst, a pool grown back after idling) waits for connects that are
+    /// on their way, not for a pool too small for what was admitted, and cutting the admission
+    /// limit for it turned away requests a pool a moment older serves at once (250 closed-loop
+    /// connections on a fresh gateway: 14–532 503s a run with the pool opening its connections
+    /// under the load, 0–59 with all of them opened before it;
+    /// `bench/results/experiments/pool-warm-up`).
+    pub(crate) fn growing(&self) -> Growing<'_> {
+        self.shared.growing.fetch_add(1, Ordering::Relaxed);
+        Growing(&self.shared)
     }
 
     /// A wait ended after `wait` (got through, or gave up).
@@ -271,7 +291,10 @@ impl StandingQueue {
         let waits = s.waits.swap(0, Ordering::Relaxed);
         let waiting = s.waiting.load(Ordering::Relaxed);
         let waited_through = s.waiting_at_close.swap(waiting, Ordering::Relaxed) > 0;
-        let stood = if min == u64::MAX {
+        let grew = s.grew.swap(false, Ordering::Relaxed) | (s.growing.load(Ordering::Relaxed) > 0);
+        let stood = if grew {
+            false
+        } else if min == u64::MAX {
             // Nobody got through: standing only if someone has been waiting since the last
             // close (a request that joined a moment ago says nothing yet).
             waiting > 0 && waited_through
@@ -286,6 +309,16 @@ impl StandingQueue {
         let standing = stood && stood_before;
         s.standing.set(if standing { 1.0 } else { 0.0 });
         standing
+    }
+}
+
+/// A server being added to a [`StandingQueue`] ([`StandingQueue::growing`]).
+pub(crate) struct Growing<'a>(&'a QueueShared);
+
+impl Drop for Growing<'_> {
+    fn drop(&mut self) {
+        self.0.grew.store(true, Ordering::Relaxed);
+        self.0.growing.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -604,6 +637,47 @@ mod tests {
         assert!(q.close_window(TARGET), "and another: it stands");
         drop(first);
         assert!(!q.close_window(TARGET), "the waiter left: nothing stands");
+    }
+
+    #[test]
+    fn an_inner_queue_does_not_stand_while_it_is_still_growing() {
+        let q = StandingQueue::new(
+            metrics::gauge!("test_growing"),
+            metrics::gauge!("test_length"),
+        );
+        let long_waits = |q: &StandingQueue| {
+            q.waited(Duration::from_millis(40));
+            q.waited(Duration::from_millis(60));
+        };
+        // A fresh pool's first burst: every wait long, while connections are being opened.
+        let opening = q.growing();
+        for window in 0..3 {
+            long_waits(&q);
+            assert!(
+                !q.close_window(TARGET),
+                "connects under way, window {window}"
+            );
+        }
+        // The last connect ends in this window: it does not stand either.
+        long_waits(&q);
+        drop(opening);
+        assert!(!q.close_window(TARGET), "a connect ended in the window");
+        // One window of long waits after it is one window: not yet a line.
+        long_waits(&q);
+        assert!(!q.close_window(TARGET), "one window of a full pool");
+        // The same waits with the pool done growing: it stands.
+        long_waits(&q);
+        assert!(
+            q.close_window(TARGET),
+            "two windows of a full pool: it stands"
+        );
+        // A connect that failed ended too, and counts the same.
+        drop(q.growing());
+        long_waits(&q);
+        assert!(
+            !q.close_window(TARGET),
+            "a connect (that failed) ended in the window"
+        );
     }
 
     /// A real one-worker runtime with the probe started on it.

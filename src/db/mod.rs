@@ -302,9 +302,14 @@ impl Db {
         // is then retried once on another connection (see the module's documentation), and
         // reused connections are pinged for a while after. No pool-level timeouts either: every
         // acquire is bounded by its caller (`acquire_raw`).
+        let queue = StandingQueue::new(
+            metrics::gauge!(POOL_QUEUE_STANDING.name),
+            metrics::gauge!(POOL_WAITERS.name),
+        );
         let pool = Pool::builder(Connections::new(
             Arc::clone(&options),
             settings.max_lifetime,
+            queue.clone(),
         ))
         .max_size(settings.max_connections.get() as usize)
         .build()?;
@@ -319,10 +324,7 @@ impl Db {
             metrics,
             health: Arc::new(Health::new()),
             options,
-            queue: StandingQueue::new(
-                metrics::gauge!(POOL_QUEUE_STANDING.name),
-                metrics::gauge!(POOL_WAITERS.name),
-            ),
+            queue,
         };
         db.record_pool_gauges();
         Ok(db)

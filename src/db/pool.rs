@@ -36,6 +36,8 @@ use std::{
 use deadpool::managed::{self, Metrics, RecycleError, RecycleResult};
 use sqlx::{ConnectOptions, Connection, PgConnection, postgres::PgConnectOptions};
 
+use crate::overload::StandingQueue;
+
 /// How long an unsettled connection may take to answer its drain before it is closed instead.
 /// Its statement was given the caller's remaining budget as `statement_timeout`, so the server
 /// gives up on it within that; one second is longer than any request's budget by default.
@@ -60,13 +62,21 @@ pub(crate) type Conn = managed::Object<Connections>;
 pub(crate) struct Connections {
     options: Arc<PgConnectOptions>,
     max_lifetime: Duration,
+    /// The pool's wait line: told while a connection is being opened, so that a line formed
+    /// while the pool is still growing is not taken for one it is too small for.
+    line: StandingQueue,
 }
 
 impl Connections {
-    pub(crate) fn new(options: Arc<PgConnectOptions>, max_lifetime: Duration) -> Self {
+    pub(crate) fn new(
+        options: Arc<PgConnectOptions>,
+        max_lifetime: Duration,
+        line: StandingQueue,
+    ) -> Self {
         Self {
             options,
             max_lifetime,
+            line,
         }
     }
 }
@@ -106,6 +116,7 @@ impl managed::Manager for Connections {
     async fn create(&self) -> Result<Pooled, sqlx::Error> {
         // Boxed: a connect's future is several KB, and inline it would be part of every
         // acquire's future, paid (and moved) by the many acquires that reuse a connection.
+        let _growing = self.line.growing();
         let conn = Box::pin(self.options.connect()).await?;
         let _ = OPENED_CONNECTION.try_with(|opened| opened.set(true));
         Ok(Pooled {
@@ -227,8 +238,45 @@ mod tests {
     }
 
     fn manager(max_lifetime: Duration) -> Connections {
+        manager_with_line(max_lifetime, line())
+    }
+
+    fn line() -> StandingQueue {
+        StandingQueue::new(
+            metrics::gauge!("test_pool_line"),
+            metrics::gauge!("test_pool_line_length"),
+        )
+    }
+
+    fn manager_with_line(max_lifetime: Duration, line: StandingQueue) -> Connections {
         let options = PgConnectOptions::from_str(&url()).expect("DATABASE_URL");
-        Connections::new(Arc::new(options), max_lifetime)
+        Connections::new(Arc::new(options), max_lifetime, line)
+    }
+
+    #[tokio::test]
+    async fn opening_a_connection_keeps_the_line_from_standing_in_that_window() {
+        let line = line();
+        let manager = manager_with_line(Duration::from_secs(60), line.clone());
+        let target = Duration::from_millis(5);
+        // One window in which every wait was long: a line, not yet standing.
+        line.waited(Duration::from_millis(40));
+        assert!(!line.close_window(target));
+        // The next window's waits are as long, but the pool opened a connection in it: the
+        // line is the pool growing, not a pool too small.
+        let _conn = manager.create().await.expect("Postgres at DATABASE_URL");
+        line.waited(Duration::from_millis(40));
+        assert!(
+            !line.close_window(target),
+            "a connection was opened in the window"
+        );
+        // Without a connect, two such windows stand.
+        line.waited(Duration::from_millis(40));
+        assert!(!line.close_window(target));
+        line.waited(Duration::from_millis(40));
+        assert!(
+            line.close_window(target),
+            "the pool done growing: it stands"
+        );
     }
 
     /// Opens a pooled connection and ends its server session, as a database restart would,
