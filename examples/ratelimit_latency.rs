@@ -25,7 +25,7 @@ async fn main() -> anyhow::Result<()> {
     settings.server.listen = "127.0.0.1:0".parse()?;
     settings.database.url = Secret::new("postgres://postgres@127.0.0.1:1/none");
     settings.database.run_migrations = false;
-    settings.database.min_connections = 0;
+    settings.database.min_connections = Some(0);
     settings.admission.enabled = false;
     settings.rate_limit.enabled = true;
     // Far above what one client sends here: every decision is "allowed", by Redis.

@@ -73,7 +73,7 @@ fn settings(sim: SocketAddr, mode: AdmissionMode) -> Settings {
     s.server.listen = "127.0.0.1:0".parse().expect("an address");
     s.server.ops_listen = "127.0.0.1:0".parse().expect("an address");
     s.database.run_migrations = false;
-    s.database.min_connections = 0;
+    s.database.min_connections = Some(0);
     for d in s.downstreams.iter_mut() {
         d.base_url = format!("http://{sim}")
             .parse()

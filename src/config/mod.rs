@@ -153,7 +153,11 @@ pub struct DatabaseSettings {
     #[serde(deserialize_with = "types::postgres_url")]
     pub url: Secret,
     pub max_connections: NonZeroU32,
-    pub min_connections: u32,
+    /// Connections kept open while idle. Unset: `max_connections`, a fixed-size pool, as
+    /// HikariCP advises (its `minimumIdle` defaults to its maximum): a pool that opens its
+    /// connections under the first burst makes that burst wait for connects, and the lab saw
+    /// the admission limit cut for that line (`bench/results/experiments/pool-warm-up`).
+    pub min_connections: Option<u32>,
     /// Longest wait for a pooled connection before the caller gets an error.
     #[serde(with = "types::positive_duration")]
     pub acquire_timeout: Duration,
@@ -173,12 +177,19 @@ pub struct DatabaseSettings {
     pub max_replicas: u32,
 }
 
+impl DatabaseSettings {
+    /// `min_connections`, or `max_connections` when unset.
+    pub fn min_connections(&self) -> u32 {
+        self.min_connections.unwrap_or(self.max_connections.get())
+    }
+}
+
 impl Default for DatabaseSettings {
     fn default() -> Self {
         Self {
             url: Secret::new("postgres://postgres@127.0.0.1:5432/tributary"),
             max_connections: nonzero_u32(20),
-            min_connections: 2,
+            min_connections: None,
             acquire_timeout: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(600),
             max_lifetime: Duration::from_secs(1800),
@@ -775,10 +786,10 @@ impl Settings {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut problems = Vec::new();
         let db = &self.database;
-        if db.min_connections > db.max_connections.get() {
+        if let Some(min) = db.min_connections.filter(|&m| m > db.max_connections.get()) {
             problems.push(format!(
-                "database.min_connections ({}) is greater than database.max_connections ({})",
-                db.min_connections, db.max_connections
+                "database.min_connections ({min}) is greater than database.max_connections ({})",
+                db.max_connections
             ));
         }
         let a = &self.admission.adaptive;

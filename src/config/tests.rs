@@ -134,6 +134,15 @@ fn a_value_that_does_not_parse_and_a_rule_between_two_keys_are_reported_together
 }
 
 #[test]
+fn an_unset_pool_minimum_is_the_maximum_so_a_smaller_maximum_alone_is_valid() {
+    assert_eq!(load(&[]).unwrap().database.min_connections(), 20);
+    let s = load(&[("TRIBUTARY_DATABASE__MAX_CONNECTIONS", "8")]).unwrap();
+    assert_eq!(s.database.min_connections(), 8, "a fixed-size pool of 8");
+    let s = load(&[("TRIBUTARY_DATABASE__MIN_CONNECTIONS", "2")]).unwrap();
+    assert_eq!(s.database.min_connections(), 2);
+}
+
+#[test]
 fn min_above_max_and_crossed_ratios_are_reported() {
     let err = problems(&[
         ("TRIBUTARY_DATABASE__MIN_CONNECTIONS", "30"),

@@ -317,7 +317,7 @@ impl Db {
         let db = Self {
             pool,
             upkeep: Arc::new(Upkeep::new(
-                settings.min_connections as usize,
+                settings.min_connections() as usize,
                 settings.idle_timeout,
             )),
             acquire_timeout: settings.acquire_timeout,

@@ -104,7 +104,7 @@ pub fn test_settings(sim_url: &str, database_url: &str) -> Settings {
     s.server.request_deadline = Duration::from_millis(1500);
     s.server.drain_timeout = Duration::from_secs(5);
     s.database.url = tributary::config::Secret::new(database_url);
-    s.database.min_connections = 0;
+    s.database.min_connections = Some(0);
     s.database.max_connections = nz32(5);
     s.database.max_replicas = 1;
     for d in s.downstreams.iter_mut() {
