@@ -37,7 +37,7 @@ DATABASE_URL="$PG/$DB" TRIBUTARY_TELEMETRY__LOG_LEVEL=warn "$B/tributary" seed -
 for p in "$PM" $(pgrep -P "$PM"); do taskset -a -p -c 1 "$p" >/dev/null; done
 i=0
 for s in users carts recommendations promotions notifications; do
-  SIM_WORKER_THREADS=1 taskset -c 1 "$B/downstream-sim" --listen "127.0.0.1:$((19001 + i))" --latency 100ms >/dev/null 2>&1 &
+  SIM_WORKER_THREADS=1 taskset -c 1 "$B/downstream-sim" --listen "127.0.0.1:$((19001 + i))" --latency 100ms >"$OUT/sim-$s.log" 2>&1 &
   SIMS+=($!); i=$((i + 1))
 done
 sleep 1
