@@ -259,10 +259,10 @@ impl StandingQueue {
     /// next, whatever its waits: a line that forms while connections are still being opened
     /// (a fresh pod's first burst, a pool grown back after idling) waits for connects that are
     /// on their way, not for a pool too small for what was admitted, and cutting the admission
-    /// limit for it turned away requests a pool a moment older serves at once (250 closed-loop
-    /// connections on a fresh gateway: 14–532 503s a run with the pool opening its connections
-    /// under the load, 0–59 with all of them opened before it;
-    /// `bench/results/experiments/pool-warm-up`).
+    /// limit for it turns away requests a pool a moment older serves at once. (The lab's
+    /// `pool-warm-up` experiment saw such cuts on fresh gateways; what removed them there was
+    /// opening the pool before the load, the default since; this rule alone showed no gain at
+    /// that load, and stays for the other times a pool grows under load.)
     pub(crate) fn growing(&self) -> Growing<'_> {
         self.shared.growing.fetch_add(1, Ordering::Relaxed);
         Growing(&self.shared)

@@ -173,9 +173,7 @@ impl Members<'_> {
             fields.push((name, start, self.out.len()));
         }
     }
-}
 
-impl Members<'_> {
     /// An integer field as a JSON number.
     fn integer(&mut self, field: &Field, value: impl itoa::Integer) {
         self.member(field, |out| {
