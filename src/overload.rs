@@ -19,6 +19,9 @@
 //! drains quickly leaves some probe with a short wait, while a standing queue delays them all.
 //! A window is **saturated** when that minimum is above `overload.queue_delay_target` and the
 //! workers were busy for at least 90 % of it (a queue with idle workers is not CPU overload).
+//! One saturated window turns away at the door a request that found no permit, and keeps the
+//! breakers from blaming a downstream; the adaptive limit is cut only after two in a row
+//! ([`QueueDelay::stays_saturated`]), as the pool's line is judged below.
 //!
 //! The core is not the only queue an admitted request can wait in. [`StandingQueue`] judges
 //! a queue inside the gateway (the database pool's) the same way: over each control window,
@@ -36,7 +39,7 @@ use std::{
     pin::Pin,
     sync::{
         Arc, Weak,
-        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering},
     },
     task::{Context, Poll},
     time::Duration,
@@ -87,6 +90,8 @@ struct Shared {
     saturated_until_nanos: AtomicU64,
     /// End of the last window, saturated or not.
     last_window_nanos: AtomicU64,
+    /// Saturated windows in a row, up to the last one (0: the last one was not).
+    saturated_run: AtomicU32,
     /// Probes sent up to the last window's end (for tests and debugging: how often the probe
     /// wakes).
     probes: AtomicU64,
@@ -131,6 +136,7 @@ impl QueueDelay {
                 current_nanos: AtomicU64::new(0),
                 saturated_until_nanos: AtomicU64::new(0),
                 last_window_nanos: AtomicU64::new(0),
+                saturated_run: AtomicU32::new(0),
                 probes: AtomicU64::new(0),
             }),
         }
@@ -153,6 +159,21 @@ impl QueueDelay {
         until != 0
             && until == s.last_window_nanos.load(Ordering::Relaxed)
             && s.nanos_at(Instant::now()) <= until + 2 * WINDOW.as_nanos() as u64
+    }
+
+    /// Whether the last closed window was saturated and so was the one before it: the verdict
+    /// the adaptive limit cuts on. One window is not enough there, for the reason
+    /// [`StandingQueue::close_window`] gives for the pool: a closed loop's connections come back
+    /// in lockstep, and a burst of them can keep every probe of one 100 ms window waiting on a
+    /// core that carries the load (`bench/run stack`, 250 connections, 2026-12-07: the bare stack
+    /// served them all, tributary cut its limit under them and answered 46–96 of them with 503s
+    /// in 15 s). A core that is really short stays saturated for many windows, and is cut for
+    /// one window later. The door ([`QueueDelay::is_saturated`]: no wait for a permit while the
+    /// core is saturated) and the breakers ([`QueueDelay::saturated_since`]) still read a
+    /// single window: turning away a request that found no permit, or not blaming a downstream
+    /// for a late answer, costs nothing that a cut of the limit would.
+    pub(crate) fn stays_saturated(&self) -> bool {
+        self.is_saturated() && self.shared.saturated_run.load(Ordering::Relaxed) >= 2
     }
 
     /// Whether the runtime was saturated at some point since `t` (or in the window just
@@ -178,6 +199,9 @@ impl QueueDelay {
         let saturated = min_delay > s.target && busy >= BUSY_FLOOR;
         if saturated {
             s.saturated_until_nanos.store(now, Ordering::Relaxed);
+            s.saturated_run.fetch_add(1, Ordering::Relaxed);
+        } else {
+            s.saturated_run.store(0, Ordering::Relaxed);
         }
         s.last_window_nanos.store(now, Ordering::Relaxed);
         saturated
@@ -284,7 +308,17 @@ impl StandingQueue {
     /// connections, 2026-12-06: five or six cuts in 15 s, all for the pool, and 700–1,100 503s
     /// that the bare stack, queueing on the same pool, did not need). A line that stands
     /// stands for many windows, and is seen one window later.
-    pub(crate) fn close_window(&self, target: Duration) -> bool {
+    ///
+    /// `core_queued`: the core was saturated during the window. Its waits then say nothing
+    /// about the pool: a connection is held until its task is polled again after the answer,
+    /// and a task that waits for the worker holds it that much longer, so every request
+    /// behind it waits as well. The window is not judged either way (the window before and the
+    /// one after still make two in a row), and the core's own verdict answers for it. Without
+    /// this a fresh gateway's first burst (250 closed-loop connections, every request opening
+    /// its downstream connections on one core) cut the limit "for the pool" with 1.3 of its
+    /// 20 connections in use on average (`bench/run stack`, 2026-12-07, AMD EPYC VM: one cut
+    /// a run, each for the pool once the core's verdict took two windows).
+    pub(crate) fn close_window(&self, target: Duration, core_queued: bool) -> bool {
         let s = &self.shared;
         let min = s.min_wait_nanos.swap(u64::MAX, Ordering::Relaxed);
         let sum = s.wait_sum_nanos.swap(0, Ordering::Relaxed);
@@ -292,6 +326,12 @@ impl StandingQueue {
         let waiting = s.waiting.load(Ordering::Relaxed);
         let waited_through = s.waiting_at_close.swap(waiting, Ordering::Relaxed) > 0;
         let grew = s.grew.swap(false, Ordering::Relaxed) | (s.growing.load(Ordering::Relaxed) > 0);
+        if core_queued {
+            // Neither standing nor calm: the gauge and the last verdict stay as they were.
+            // A pool that grew in this window still keeps the next from standing.
+            s.grew.fetch_or(grew, Ordering::Relaxed);
+            return false;
+        }
         let stood = if grew {
             false
         } else if min == u64::MAX {
@@ -515,6 +555,33 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn saturation_stays_only_after_two_saturated_windows_in_a_row() {
+        let q = QueueDelay::manual(TARGET);
+        q.observe_window(Duration::from_millis(20), 1.0);
+        assert!(q.is_saturated(), "the door and the breakers see one window");
+        assert!(
+            !q.stays_saturated(),
+            "one window is a burst, not yet a short core"
+        );
+        tokio::time::advance(WINDOW).await;
+        q.observe_window(Duration::from_millis(20), 1.0);
+        assert!(q.stays_saturated(), "two in a row");
+        tokio::time::advance(WINDOW).await;
+        q.observe_window(Duration::from_millis(1), 1.0);
+        assert!(!q.stays_saturated(), "a calm window ends it");
+        tokio::time::advance(WINDOW).await;
+        q.observe_window(Duration::from_millis(20), 1.0);
+        assert!(!q.stays_saturated(), "and the count starts over");
+        tokio::time::advance(WINDOW * 3).await;
+        q.observe_window(Duration::from_millis(20), 1.0);
+        tokio::time::advance(WINDOW * 3).await;
+        assert!(
+            !q.stays_saturated(),
+            "a probe that stopped reporting says nothing"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn saturation_is_remembered_for_calls_that_spanned_it() {
         let q = QueueDelay::manual(TARGET);
         let call_started = Instant::now();
@@ -558,28 +625,63 @@ mod tests {
             metrics::gauge!("test_standing"),
             metrics::gauge!("test_length"),
         );
-        assert!(!q.close_window(TARGET), "nothing happened");
+        assert!(!q.close_window(TARGET, false), "nothing happened");
         // A busy pool: some waits over the target, but one request found a free connection at
         // once and the line is short on average.
         for _ in 0..2 {
             q.waited(Duration::from_millis(8));
             q.waited(Duration::from_micros(30));
             q.waited(Duration::from_millis(9));
-            assert!(!q.close_window(TARGET), "one short wait: the queue drains");
+            assert!(
+                !q.close_window(TARGET, false),
+                "one short wait: the queue drains"
+            );
         }
         q.waited(Duration::from_millis(40));
         q.waited(Duration::from_millis(6));
         assert!(
-            !q.close_window(TARGET),
+            !q.close_window(TARGET, false),
             "every wait over the target, one window"
         );
         q.waited(Duration::from_millis(30));
         q.waited(Duration::from_millis(7));
-        assert!(q.close_window(TARGET), "and the next one too: it stands");
+        assert!(
+            q.close_window(TARGET, false),
+            "and the next one too: it stands"
+        );
         q.waited(Duration::from_millis(1));
         assert!(
-            !q.close_window(TARGET),
+            !q.close_window(TARGET, false),
             "the next window with a short wait ends it"
+        );
+    }
+
+    #[test]
+    fn a_window_in_which_the_core_was_saturated_is_not_judged() {
+        let q = StandingQueue::new(
+            metrics::gauge!("test_standing"),
+            metrics::gauge!("test_length"),
+        );
+        // Every wait long, in two windows in a row, both with the core saturated: the waits
+        // include the worker's own queue (connections held by tasks waiting to be polled).
+        for _ in 0..2 {
+            q.waited(Duration::from_millis(40));
+            q.waited(Duration::from_millis(30));
+            assert!(
+                !q.close_window(TARGET, true),
+                "the core was saturated: its verdict answers for the window"
+            );
+        }
+        // On a calm core the same waits are the pool's line: one window, then another.
+        q.waited(Duration::from_millis(40));
+        assert!(!q.close_window(TARGET, false), "one window of a line");
+        // A window with the core saturated in between neither ends the line nor adds to it.
+        q.waited(Duration::from_micros(10));
+        assert!(!q.close_window(TARGET, true));
+        q.waited(Duration::from_millis(40));
+        assert!(
+            q.close_window(TARGET, false),
+            "two windows of a line on a calm core, around one that was not judged: it stands"
         );
     }
 
@@ -592,9 +694,9 @@ mod tests {
         for round in 0..3 {
             q.waited(Duration::from_millis(20));
             q.waited(Duration::from_millis(30));
-            assert!(!q.close_window(TARGET), "a stall, round {round}");
+            assert!(!q.close_window(TARGET, false), "a stall, round {round}");
             q.waited(Duration::from_micros(30));
-            assert!(!q.close_window(TARGET), "calm again, round {round}");
+            assert!(!q.close_window(TARGET, false), "calm again, round {round}");
         }
     }
 
@@ -608,7 +710,7 @@ mod tests {
             q.waited(Duration::from_micros(30));
             q.waited(Duration::from_millis(90));
             assert_eq!(
-                q.close_window(TARGET),
+                q.close_window(TARGET, false),
                 window == 1,
                 "a long line on average"
             );
@@ -616,7 +718,10 @@ mod tests {
         // Just under the mean's bar: not standing.
         q.waited(Duration::from_micros(30));
         q.waited(TARGET * MEAN_OVER as u32 * 2 - Duration::from_micros(100));
-        assert!(!q.close_window(TARGET), "mean just under twice the target");
+        assert!(
+            !q.close_window(TARGET, false),
+            "mean just under twice the target"
+        );
     }
 
     #[test]
@@ -627,16 +732,19 @@ mod tests {
         );
         let first = q.enter();
         assert!(
-            !q.close_window(TARGET),
+            !q.close_window(TARGET, false),
             "a waiter that just joined says nothing yet"
         );
         assert!(
-            !q.close_window(TARGET),
+            !q.close_window(TARGET, false),
             "still waiting a window later, and nobody got through: one window"
         );
-        assert!(q.close_window(TARGET), "and another: it stands");
+        assert!(q.close_window(TARGET, false), "and another: it stands");
         drop(first);
-        assert!(!q.close_window(TARGET), "the waiter left: nothing stands");
+        assert!(
+            !q.close_window(TARGET, false),
+            "the waiter left: nothing stands"
+        );
     }
 
     #[test]
@@ -654,28 +762,31 @@ mod tests {
         for window in 0..3 {
             long_waits(&q);
             assert!(
-                !q.close_window(TARGET),
+                !q.close_window(TARGET, false),
                 "connects under way, window {window}"
             );
         }
         // The last connect ends in this window: it does not stand either.
         long_waits(&q);
         drop(opening);
-        assert!(!q.close_window(TARGET), "a connect ended in the window");
+        assert!(
+            !q.close_window(TARGET, false),
+            "a connect ended in the window"
+        );
         // One window of long waits after it is one window: not yet a line.
         long_waits(&q);
-        assert!(!q.close_window(TARGET), "one window of a full pool");
+        assert!(!q.close_window(TARGET, false), "one window of a full pool");
         // The same waits with the pool done growing: it stands.
         long_waits(&q);
         assert!(
-            q.close_window(TARGET),
+            q.close_window(TARGET, false),
             "two windows of a full pool: it stands"
         );
         // A connect that failed ended too, and counts the same.
         drop(q.growing());
         long_waits(&q);
         assert!(
-            !q.close_window(TARGET),
+            !q.close_window(TARGET, false),
             "a connect (that failed) ended in the window"
         );
     }

@@ -19,8 +19,13 @@ use crate::config::AdaptiveSettings;
 /// What the control loop saw over one control interval.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Interval {
-    /// The runtime was saturated (queueing delay over target with busy workers).
+    /// The runtime was saturated (queueing delay over target with busy workers) for two windows
+    /// in a row ([`crate::overload::QueueDelay::stays_saturated`]): the verdict cuts are made on.
     pub(crate) core: bool,
+    /// The last window alone was saturated ([`crate::overload::QueueDelay::is_saturated`]): a
+    /// burst, or the first window of a saturation. It cuts nothing, but the limit does not grow
+    /// through it, and a cut on trial is not yet judged to have worked.
+    pub(crate) core_window: bool,
     /// An inner queue of admitted requests (the database pool's) stood over the target.
     pub(crate) inner: bool,
     /// The last window's minimum queueing delay.
@@ -196,7 +201,7 @@ impl QueueDelayLimit {
     /// Closes one control interval at `now`; says what it did to the limit.
     pub(crate) fn update(&mut self, now: Instant, seen: Interval) -> Step {
         let before = self.limit();
-        if !seen.core {
+        if !seen.core_window {
             // The core's queue fell under the target: whatever cut was on trial worked.
             self.trial = None;
         }
@@ -235,6 +240,8 @@ impl QueueDelayLimit {
                 let per_interval = super::CONTROL_INTERVAL.as_secs_f64();
                 self.limit = (self.limit + self.limit.sqrt() * per_interval).min(self.max);
             }
+        } else if seen.core_window {
+            // One saturated window: not yet a cut, but no room to grow into either.
         } else if self.settle && since_cut.is_some_and(|d| d < self.gap()) {
             // The last cut has not had a hold time to show yet: hold.
         } else if seen.limited || seen.peak_in_flight as f64 >= self.limit * Self::NEARLY_FULL {
@@ -379,6 +386,7 @@ mod tests {
                 *now,
                 Interval {
                     core: saturated,
+                    core_window: saturated,
                     inner: false,
                     delay,
                     peak_in_flight: l.limit(),
@@ -426,9 +434,42 @@ mod tests {
     }
 
     #[test]
+    fn one_saturated_window_neither_cuts_nor_grows_the_limit() {
+        let limited_calm = Interval {
+            core: false,
+            core_window: false,
+            inner: false,
+            delay: Duration::from_micros(200),
+            peak_in_flight: 100,
+            limited: true,
+        };
+        let burst = Interval {
+            core_window: true,
+            delay: Duration::from_millis(20),
+            ..limited_calm
+        };
+        let mut l = QueueDelayLimit::new(&settings(), TARGET, CoreCuts::Checked);
+        let now = Instant::now();
+        assert_eq!(l.update(now, burst), Step::Held, "one window: a burst");
+        assert!(
+            matches!(l.update(now + TICK, limited_calm), Step::Grew(_)),
+            "calm and limiting: grows"
+        );
+        let stays = Interval {
+            core: true,
+            ..burst
+        };
+        assert!(
+            matches!(l.update(now + TICK * 2, stays), Step::Cut(_)),
+            "two windows in a row: cut"
+        );
+    }
+
+    #[test]
     fn settling_holds_the_limit_for_a_hold_time_after_a_cut() {
         let limited_calm = Interval {
             core: false,
+            core_window: false,
             inner: false,
             delay: Duration::from_micros(200),
             peak_in_flight: 100,
@@ -487,6 +528,7 @@ mod tests {
         let now = Instant::now();
         let saturated = Interval {
             core: true,
+            core_window: true,
             inner: false,
             delay: Duration::from_millis(50),
             peak_in_flight: 100,
@@ -526,6 +568,7 @@ mod tests {
                 *now,
                 Interval {
                     core: true,
+                    core_window: true,
                     inner: l.limit() > inner_over,
                     delay: Duration::from_millis(30),
                     peak_in_flight: l.limit(),
@@ -607,6 +650,7 @@ mod tests {
         // Saturated by something else while few permits are held: cutting would not help.
         let bystander = Interval {
             core: true,
+            core_window: true,
             inner: false,
             delay: Duration::from_millis(50),
             peak_in_flight: 20,
@@ -616,6 +660,7 @@ mod tests {
         // Calm and nobody turned away: nothing to learn.
         let idle = Interval {
             core: false,
+            core_window: false,
             inner: false,
             delay: Duration::from_micros(100),
             peak_in_flight: 20,
@@ -644,6 +689,7 @@ mod tests {
         // turned away yet, but one cut would.
         let demand = Interval {
             core: false,
+            core_window: false,
             inner: false,
             delay: Duration::from_micros(100),
             peak_in_flight: 100,

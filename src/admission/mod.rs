@@ -14,8 +14,9 @@
 //!   did not shorten it (a queue made of the rejections themselves) is undone
 //!   (`overload.check_core_cuts`). `static` and `gradient2` remain;
 //! - **a "no" costs almost nothing and comes at once when waiting cannot help**: while the
-//!   runtime is saturated, or more requests already wait than the recent release rate returns
-//!   within `max_wait`, a
+//!   runtime has been saturated for two windows in a row (one is a burst that a short wait
+//!   rides out: a fresh pod's first second, clients coming back together), or more requests
+//!   already wait than the recent release rate returns within `max_wait`, a
 //!   request without a permit is turned away without arming a timer. The decision
 //!   ([`Limiter::try_admit`]) is synchronous, and the edge (`http::edge`) takes it before any
 //!   other work on the request;
@@ -88,6 +89,9 @@ pub struct Admission {
     /// Queues inside the gateway that admitted requests wait in (the database pool's): while
     /// one stands, the adaptive limit treats it as it treats a saturated core.
     inner: Vec<StandingQueue>,
+    /// The core's queueing delay: an inner queue's window in which the core was saturated is
+    /// not judged (see [`StandingQueue::close_window`]).
+    queue_delay: QueueDelay,
     /// The target both are judged against (`overload.queue_delay_target`).
     target: Duration,
 }
@@ -150,6 +154,7 @@ impl Admission {
             limiters,
             shedding: Arc::new(AtomicBool::new(false)),
             inner,
+            queue_delay: queue_delay.clone(),
             target: queue_delay.target(),
         })
     }
@@ -226,17 +231,21 @@ async fn control(
     tick.tick().await;
     let mut ticks = 0u32;
     let mut last_warning: Option<Instant> = None;
+    let mut window_started = Instant::now();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
         let now = Instant::now();
+        // The waits that ended in this window were slowed by the core's own queue if it was
+        // saturated during the window (or just before: such a wait may have begun then).
+        let core_queued = admission.queue_delay.saturated_since(window_started);
+        window_started = now;
         // Every queue's window is closed, not just the first standing one.
-        let inner_standing = admission
-            .inner
-            .iter()
-            .fold(false, |any, q| q.close_window(admission.target) | any);
+        let inner_standing = admission.inner.iter().fold(false, |any, q| {
+            q.close_window(admission.target, core_queued) | any
+        });
         for l in &admission.limiters {
             l.end_interval(now, inner_standing);
         }
@@ -291,8 +300,8 @@ pub(crate) struct Rejected {
 /// Why a request was turned away; also the `reason` metric label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Reason {
-    /// No permit, and waiting could not help: no wait is configured, the runtime is
-    /// saturated, or more already wait than the recent release rate returns within `max_wait`.
+    /// No permit, and waiting could not help: no wait is configured, the runtime has been
+    /// saturated for two windows, or more already wait than the recent release rate returns within `max_wait`.
     Overloaded = 0,
     /// Waited `max_wait` for a permit without getting one.
     QueueTimeout = 1,
@@ -563,7 +572,7 @@ impl Limiter {
         self.found_none.fetch_add(1, Ordering::Relaxed);
         if self.waits.max.is_zero()
             || self.waiting() as u64 >= self.wait_room.load(Ordering::Relaxed)
-            || self.queue_delay.is_saturated()
+            || self.queue_delay.stays_saturated()
         {
             return Decision::Rejected(self.reject(Reason::Overloaded));
         }
@@ -691,9 +700,10 @@ impl Limiter {
         }
         drop(rate);
         if let Controller::QueueDelay(c) = &self.controller {
-            let core = self.queue_delay.is_saturated();
+            let core = self.queue_delay.stays_saturated();
             let seen = Interval {
                 core,
+                core_window: self.queue_delay.is_saturated(),
                 inner: inner_standing,
                 delay: self.queue_delay.current(),
                 peak_in_flight: peak,
@@ -937,8 +947,14 @@ mod tests {
         );
         q.observe_window(Duration::from_millis(50), 1.0);
         assert!(
+            matches!(l.try_admit(), Decision::Wait),
+            "one saturated window is a burst: a short wait still helps"
+        );
+        tokio::time::advance(crate::overload::WINDOW).await;
+        q.observe_window(Duration::from_millis(50), 1.0);
+        assert!(
             matches!(l.try_admit(), Decision::Rejected(_)),
-            "saturated: no timer armed, an immediate no"
+            "saturated two windows in a row: no timer armed, an immediate no"
         );
     }
 
@@ -1118,7 +1134,19 @@ mod tests {
         let held = hold(&l, 1000).await;
         q.observe_window(Duration::from_millis(50), 1.0);
         l.end_interval(Instant::now(), false);
-        assert_eq!(l.limit(), 900, "saturated with the limit in use: cut");
+        assert_eq!(
+            l.limit(),
+            1000,
+            "one saturated window (a closed loop's burst, say) is not a short core: held"
+        );
+        tokio::time::advance(crate::overload::WINDOW).await;
+        q.observe_window(Duration::from_millis(50), 1.0);
+        l.end_interval(Instant::now(), false);
+        assert_eq!(
+            l.limit(),
+            900,
+            "saturated two windows in a row, the limit in use: cut"
+        );
         drop(held);
         tokio::time::advance(Duration::from_secs(1)).await;
         q.observe_window(Duration::from_micros(100), 1.0);

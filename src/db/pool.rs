@@ -260,21 +260,21 @@ mod tests {
         let target = Duration::from_millis(5);
         // One window in which every wait was long: a line, not yet standing.
         line.waited(Duration::from_millis(40));
-        assert!(!line.close_window(target));
+        assert!(!line.close_window(target, false));
         // The next window's waits are as long, but the pool opened a connection in it: the
         // line is the pool growing, not a pool too small.
         let _conn = manager.create().await.expect("Postgres at DATABASE_URL");
         line.waited(Duration::from_millis(40));
         assert!(
-            !line.close_window(target),
+            !line.close_window(target, false),
             "a connection was opened in the window"
         );
         // Without a connect, two such windows stand.
         line.waited(Duration::from_millis(40));
-        assert!(!line.close_window(target));
+        assert!(!line.close_window(target, false));
         line.waited(Duration::from_millis(40));
         assert!(
-            line.close_window(target),
+            line.close_window(target, false),
             "the pool done growing: it stands"
         );
     }
