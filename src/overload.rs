@@ -19,8 +19,8 @@
 //! drains quickly leaves some probe with a short wait, while a standing queue delays them all.
 //! A window is **saturated** when that minimum is above `overload.queue_delay_target` and the
 //! workers were busy for at least 90 % of it (a queue with idle workers is not CPU overload).
-//! One saturated window turns away at the door a request that found no permit, and keeps the
-//! breakers from blaming a downstream; the adaptive limit is cut only after two in a row
+//! One saturated window keeps the breakers from blaming a downstream; the adaptive limit is cut,
+//! and the door turns away at once a request that found no permit, only after two in a row
 //! ([`QueueDelay::stays_saturated`]), as the pool's line is judged below.
 //!
 //! The core is not the only queue an admitted request can wait in. [`StandingQueue`] judges
@@ -162,16 +162,17 @@ impl QueueDelay {
     }
 
     /// Whether the last closed window was saturated and so was the one before it: the verdict
-    /// the adaptive limit cuts on. One window is not enough there, for the reason
+    /// the adaptive limit cuts on, and the door's (no wait for a permit while it holds). One
+    /// window is not enough there, for the reason
     /// [`StandingQueue::close_window`] gives for the pool: a closed loop's connections come back
     /// in lockstep, and a burst of them can keep every probe of one 100 ms window waiting on a
     /// core that carries the load (`bench/run stack`, 250 connections, 2026-12-07: the bare stack
     /// served them all, tributary cut its limit under them and answered 46–96 of them with 503s
     /// in 15 s). A core that is really short stays saturated for many windows, and is cut for
-    /// one window later. The door ([`QueueDelay::is_saturated`]: no wait for a permit while the
-    /// core is saturated) and the breakers ([`QueueDelay::saturated_since`]) still read a
-    /// single window: turning away a request that found no permit, or not blaming a downstream
-    /// for a late answer, costs nothing that a cut of the limit would.
+    /// one window later; in a single saturated window a request without a permit may wait
+    /// (bounded by `max_wait` and the wait room) instead of getting a 503. The breakers
+    /// ([`QueueDelay::saturated_since`]) still read a single window: not blaming a downstream
+    /// for a late answer costs nothing that a cut of the limit would.
     pub(crate) fn stays_saturated(&self) -> bool {
         self.is_saturated() && self.shared.saturated_run.load(Ordering::Relaxed) >= 2
     }

@@ -433,16 +433,19 @@ mod tests {
         }
     }
 
+    /// A calm interval in which the limit turned someone away: the limit may grow.
+    const LIMITED_CALM: Interval = Interval {
+        core: false,
+        core_window: false,
+        inner: false,
+        delay: Duration::from_micros(200),
+        peak_in_flight: 100,
+        limited: true,
+    };
+
     #[test]
     fn one_saturated_window_neither_cuts_nor_grows_the_limit() {
-        let limited_calm = Interval {
-            core: false,
-            core_window: false,
-            inner: false,
-            delay: Duration::from_micros(200),
-            peak_in_flight: 100,
-            limited: true,
-        };
+        let limited_calm = LIMITED_CALM;
         let burst = Interval {
             core_window: true,
             delay: Duration::from_millis(20),
@@ -467,14 +470,7 @@ mod tests {
 
     #[test]
     fn settling_holds_the_limit_for_a_hold_time_after_a_cut() {
-        let limited_calm = Interval {
-            core: false,
-            core_window: false,
-            inner: false,
-            delay: Duration::from_micros(200),
-            peak_in_flight: 100,
-            limited: true,
-        };
+        let limited_calm = LIMITED_CALM;
         let pool_line = Interval {
             inner: true,
             ..limited_calm
