@@ -25,9 +25,14 @@ use metrics_exporter_prometheus::{
 
 use crate::{build_info, config::TelemetrySettings};
 
-/// Latency buckets that resolve both 1 ms and 1 s (OTLP histograms get the same ones).
+/// Latency buckets that resolve both 1 ms and 1 s (OTLP histograms get the same ones), and
+/// between 100 and 300 ms every 50 ms: where an aggregation gateway's requests land (its
+/// downstreams' ~100 ms plus its own queues), and where its latency objectives are set. With
+/// 100 and 250 ms alone, a p99 of 105 ms and one of 240 ms were the same bucket, and
+/// `histogram_quantile` could only interpolate across it.
 pub(super) const LATENCY_BUCKETS: &[f64] = &[
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.5, 1.0, 2.5, 5.0,
+    10.0,
 ];
 
 /// The installed Prometheus recorder: the `metrics` facade has one global recorder per process.

@@ -180,8 +180,17 @@ async fn the_exposition_holds_exactly_the_catalogued_families_each_described() {
     assert!(ok >= 4.0);
     // The process's threads are counted (this test process runs several).
     assert!(metric_value(&text, "process_threads", &[]).is_some_and(|n| n >= 2.0));
-    // 1 ms and 1 s are both bucket boundaries.
+    // 1 ms and 1 s are both bucket boundaries, and 100–300 ms is resolved every 50 ms.
     assert!(text.contains(r#"le="0.001""#) && text.contains(r#"le="1""#));
+    for le in ["0.1", "0.15", "0.2", "0.25", "0.3"] {
+        let bucket = format!(r#"le="{le}""#);
+        assert!(
+            text.lines().any(|l| {
+                l.starts_with("http_server_request_duration_seconds_bucket{") && l.contains(&bucket)
+            }),
+            "a request-duration bucket at {le} s"
+        );
+    }
 }
 
 #[tokio::test]
