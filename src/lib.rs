@@ -7,6 +7,7 @@
 //! The tree reads as the architecture, bottom layer first; a module uses only the ones above
 //! it in this list:
 //! - leaves: [`domain`] (the route groups, services and dashboard parts as types),
+//!   [`allocator`] (the process's memory policy: transparent huge pages off),
 //!   [`build_info`] (the version and git revision the binary was built from), [`config`]
 //!   (typed settings, parsed once), [`context`] (the per-request context in a task-local),
 //!   `tls` (the process-wide TLS provider) and [`telemetry`] (logs, traces, metrics and
@@ -31,6 +32,7 @@
 #![warn(unreachable_pub)]
 
 pub mod admission;
+pub mod allocator;
 pub mod build_info;
 pub mod capacity;
 pub mod config;
@@ -61,6 +63,7 @@ mod layering {
     /// Bottom first; modules on one line are siblings and do not use each other.
     const LAYERS: &[&[&str]] = &[
         &["domain"],
+        &["allocator"],
         &["build_info"],
         &["config"],
         &["context"],

@@ -125,6 +125,8 @@ fn headroom(s: &str) -> Result<f64, String> {
 }
 
 fn main() -> ExitCode {
+    // First: the pages faulted in from here on are 4 KiB ones (src/allocator.rs says why).
+    tributary::allocator::apply_huge_page_policy();
     let cli = Cli::parse();
     let sources = Sources::from_process(cli.config.as_deref());
     let settings = match Settings::load(&sources) {

@@ -66,10 +66,15 @@ config_env() {
     # wait-N: the shipped defaults with admission.max_wait N ms (the wait queue holds half of
     # what the release rate returns within it).
     wait-[0-9]*) echo "TRIBUTARY_ADMISSION__MAX_WAIT=${1#wait-}ms" ;;
+    # no-thp: mimalloc's transparent huge pages off (every page the allocator touches for the
+    # first time is a 4 KiB fault to zero, not 2 MiB): the binary's own default since 2026-12-07
+    # (src/allocator.rs), so this matters for builds before it; thp: huge pages kept, as before.
+    no-thp) echo "MIMALLOC_ALLOW_THP=0" ;;
+    thp) echo "MIMALLOC_ALLOW_THP=1" ;;
     # initial-N: the shipped defaults with the adaptive limit starting at N
     # (admission.adaptive.initial_limit).
     initial-[0-9]*) echo "TRIBUTARY_ADMISSION__ADAPTIVE__INITIAL_LIMIT=${1#initial-}" ;;
-    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, nopush, unchecked, probe, noprobe, settle, target-N, static-N, standing-N, dbpool-N, wait-N, initial-N)"; exit 2 ;;
+    *) bench_log "unknown configuration $1 (none, reports, capacity, default, pool-blind, target10, hold2, hold5, nopush, unchecked, probe, noprobe, settle, no-thp, thp, target-N, static-N, standing-N, dbpool-N, wait-N, initial-N)"; exit 2 ;;
   esac
 }
 
