@@ -35,6 +35,18 @@ def mem_total_gib() -> float | None:
     return None
 
 
+def transparent_huge_pages() -> str | None:
+    """The kernel's THP mode, the bracketed word of `enabled` (always, madvise or never): with
+    `madvise` a process gets huge pages where its allocator asks for them (mimalloc does, and
+    tributary turns that off; see src/allocator.rs)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else text.strip()
+
+
 def main() -> None:
     repo = Path(__file__).resolve().parents[2]
     print(json.dumps({
@@ -51,6 +63,7 @@ def main() -> None:
         "git_dirty": bool(first(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"])),
         "fd_limit": first(["sh", "-c", "ulimit -n"]),
         "ephemeral_ports": Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split(),
+        "transparent_hugepage": transparent_huge_pages(),
     }, indent=2))
 
 

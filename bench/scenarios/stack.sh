@@ -8,7 +8,11 @@
 # repetition, so that the VM's speed of the day cancels out.
 #
 #   BENCH_STACK_CONNECTIONS="250"   the connection levels (default 250 500; quick: 8)
-#   BENCH_STACK_VARIANTS="bare shipped"   (default bare shipped hyper)
+#   BENCH_STACK_VARIANTS="bare shipped"   (default bare shipped hyper; also bare-thp)
+#
+# The bare stack runs with MIMALLOC_ALLOW_THP=0: the same page policy as tributary, which turns
+# transparent huge pages off for itself (src/allocator.rs), so that the ratio is the code's and
+# not the kernel's page zeroing; `bare-thp` is the bare stack with mimalloc's own default.
 # shellcheck source-path=SCRIPTDIR source=../lib/common.sh
 source "$(dirname "$0")/../lib/common.sh"
 bench_init stack
@@ -31,10 +35,11 @@ for conns in "${conn_levels[@]}"; do
     for variant in "${variants[@]}"; do
       GATEWAY_STARTER=bench_start_gateway
       case "$variant" in
-        bare) GATEWAY_STARTER=bench_start_bare; GATEWAY_SETTINGS=() ;;
+        bare) GATEWAY_STARTER=bench_start_bare; GATEWAY_SETTINGS=("MIMALLOC_ALLOW_THP=0") ;;
+        bare-thp) GATEWAY_STARTER=bench_start_bare; GATEWAY_SETTINGS=() ;;
         shipped) GATEWAY_SETTINGS=() ;;
         hyper) GATEWAY_SETTINGS=("TRIBUTARY_HTTP_CLIENT__TRANSPORT=hyper") ;;
-        *) bench_log "unknown variant '$variant' (bare, shipped or hyper)"; exit 2 ;;
+        *) bench_log "unknown variant '$variant' (bare, bare-thp, shipped or hyper)"; exit 2 ;;
       esac
       bench_gateway_point "$variant" "$conns" "$rep" "$duration" "$warmup" "$limit" "$basis"
     done
