@@ -291,7 +291,7 @@ def markdown(points, per_config, check_rows, runs, calib, about, command) -> str
     out += [
         f"- **Command:** `{command or first.get('command') or '?'}`",
         f"- **Machine:** {machine.get('nproc')} cores ({machine.get('cpu_model')}), {machine.get('mem_total_gib')} GiB, "
-        f"kernel {machine.get('kernel')}, {machine.get('os')}; {machine.get('rustc')}; Postgres {machine.get('postgres')}; "
+        f"{report.kernel(machine)}, {machine.get('os')}; {machine.get('rustc')}; Postgres {machine.get('postgres')}; "
         f"revision {report.revision(machine)}",
         f"- **Date:** {dates[0]} to {dates[-1]} (UTC); {len(runs)} runs of {first['config']['duration_s']:g} s after "
         f"{first['config']['warmup_s']:g} s of warm-up; runs flagged disturbed: {disturbed}",

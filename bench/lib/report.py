@@ -41,6 +41,14 @@ def revision(machine):
     return f"{rev} with uncommitted changes" if machine.get("git_dirty") else f"{rev}"
 
 
+def kernel(machine):
+    """The kernel release, with its transparent huge page mode when the run recorded it
+    (machine.json since 2026-12-07): a process's page faults cost its own core, and the mode
+    decides how large each one is."""
+    thp = machine.get("transparent_hugepage")
+    return f"kernel {machine.get('kernel')}" + (f" (transparent huge pages: {thp})" if thp else "")
+
+
 def dig(data, *path, default=None):
     for key in path:
         if not isinstance(data, dict) or key not in data:
@@ -286,7 +294,7 @@ def markdown(rows: list[dict], runs: list[dict], title: str, about: str, command
     out += [
         f"- **Command:** `{command or first.get('command') or '?'}`",
         f"- **Machine:** {machine.get('nproc')} cores ({machine.get('cpu_model')}), {machine.get('mem_total_gib')} GiB, "
-        f"kernel {machine.get('kernel')}, {machine.get('os')}; {machine.get('rustc')}; {machine.get('wrk')}; "
+        f"{kernel(machine)}, {machine.get('os')}; {machine.get('rustc')}; {machine.get('wrk')}; "
         f"Postgres {machine.get('postgres')}; revision {revision(machine)}",
         f"- **Date:** {dates[0]} to {dates[-1]} (UTC); {len(runs)} runs; 1-min load average before a run: "
         f"median {statistics.median(loads):.2f}, max {max(loads):.2f}; runs that overlapped a compiler: {builds}; "

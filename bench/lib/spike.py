@@ -126,7 +126,7 @@ def markdown(rows: list[dict], runs: list[dict], about: str, command: str) -> st
         out += [about.strip(), ""]
     out += [
         f"- **Command:** `{command or first.get('command') or '?'}`",
-        f"- **Machine:** {machine.get('nproc')} cores ({machine.get('cpu_model')}), kernel {machine.get('kernel')}, "
+        f"- **Machine:** {machine.get('nproc')} cores ({machine.get('cpu_model')}), {report.kernel(machine)}, "
         f"{machine.get('os')}; {machine.get('rustc')}; Postgres {machine.get('postgres')}; revision {report.revision(machine)}",
         f"- **Date:** {dates[0]} to {dates[-1]} (UTC); {len(runs)} runs, {disturbed} flagged disturbed",
         f"- **Load:** closed loop, {base} connections, {spike.get('to')} from {spike.get('at_s'):g} s to "
