@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # sweep: concurrency 100 -> 10,000 against the dashboard (downstreams fixed at 100 ms), with the
-# admission limiter as shipped (2,000 in flight, 100 ms queue), off, and sized to this core (330).
+# admission as shipped (the adaptive limit), off, and a static limit sized to one core (330).
+#
+#   BENCH_SWEEP_LEVELS="100 500 2000 10000"   the connection levels (default 100 250 500 1000 2000 5000 10000)
+#   BENCH_SWEEP_LIMITERS="on"                 the variants (default on off sized)
+#   BENCH_SWEEP_SIZED=413                     the static limit of `sized` (default 330)
 # shellcheck source-path=SCRIPTDIR source=../lib/common.sh
 source "$(dirname "$0")/../lib/common.sh"
 bench_init sweep
 
-read -r -a levels <<<"$(bench_pick "100 250 500 1000 2000 5000 10000" "4 16")"
+read -r -a levels <<<"${BENCH_SWEEP_LEVELS:-$(bench_pick "100 250 500 1000 2000 5000 10000" "4 16")}"
 duration=${BENCH_DURATION:-$(bench_pick 15 3)}
 warmup=$(bench_pick 3 1)
 
@@ -23,15 +27,16 @@ bench_log "fd limit $nofile, ephemeral ports per destination $ports"
 [[ "${BENCH_KEEP_RUNS:-0}" == 1 ]] || rm -f "$OUT_DIR/stopped.jsonl"
 bench_db_prepare
 bench_start_sims 100ms
-# on: the shipped admission control (2,000 in flight, 100 ms queue); off: none; sized: the limit
-# that `tributary capacity --target-rps 2200 --latency-ms 100` recommends for what one core
-# sustains here (about 2,200 req/s at 100 ms: 220 in flight, x 1.5 headroom = 330).
+# on: the shipped admission (no settings: the adaptive limit since 2026-12-01; until then a static
+# 2,000 in flight with a 100 ms queue); off: none; sized: a static limit, by default the 330 that
+# `tributary capacity --target-rps 2200 --latency-ms 100` recommends for what one core sustained
+# on the lab's first VM (about 2,200 req/s at 100 ms: 220 in flight, x 1.5 headroom).
 read -r -a limiters <<<"${BENCH_SWEEP_LIMITERS:-on off sized}"
 for limiter in "${limiters[@]}"; do
   case "$limiter" in
     on) settings=() ;;
     off) settings=("TRIBUTARY_ADMISSION__ENABLED=false") ;;
-    sized) settings=("TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=330") ;;
+    sized) settings=("TRIBUTARY_ADMISSION__MODE=static" "TRIBUTARY_ADMISSION__MAX_IN_FLIGHT=${BENCH_SWEEP_SIZED:-330}") ;;
     *) bench_log "unknown limiter variant $limiter"; exit 2 ;;
   esac
   for conns in "${levels[@]}"; do
